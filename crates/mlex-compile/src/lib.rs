@@ -1,0 +1,1 @@
+//! mlex-compile

@@ -1,0 +1,82 @@
+//! Architectures: how a `model_type` turns a config and weights into a
+//! [`Model`](crate::model::Model).
+//!
+//! An architecture does two things, as mlx-lm's model files do: `sanitize`
+//! (all weight-name translation, so layers see one naming) and `plan`
+//! (which registered layer kind each layer is, with which options and
+//! weight prefix). Building the layers is then generic: every layer comes
+//! from a registered [`LayerKind`](crate::layer::LayerKind), which is what
+//! lets a TOML file compose a new hybrid without Rust code.
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::weights::WeightMap;
+use serde_json::Value;
+
+/// One layer of a plan.
+#[derive(Clone, Debug)]
+pub struct LayerPlan {
+    /// Registered layer-kind name.
+    pub kind: String,
+    /// Weight prefix, e.g. `model.layers.3`.
+    pub prefix: String,
+    /// Kind options (weight-name templates, switches).
+    pub options: Value,
+}
+
+/// How the output head is stored.
+#[derive(Clone, Debug)]
+pub enum HeadPlan {
+    /// The embedding matrix is reused (`tie_word_embeddings`).
+    Tied,
+    /// A separate linear layer with this weight prefix.
+    Linear(String),
+}
+
+/// The whole model, as the layer builder sees it.
+#[derive(Clone, Debug)]
+pub struct ModelPlan {
+    /// Vocabulary size.
+    pub vocab_size: i32,
+    /// Residual width.
+    pub hidden_size: i32,
+    /// Embedding weight prefix.
+    pub embed: String,
+    /// The layers in order.
+    pub layers: Vec<LayerPlan>,
+    /// Final norm weight prefix.
+    pub final_norm: String,
+    /// Final norm epsilon.
+    pub norm_eps: f32,
+    /// Output head.
+    pub head: HeadPlan,
+    /// `c * tanh(logits / c)` when set.
+    pub logit_softcap: Option<f32>,
+    /// The longest context the model supports, if the config says.
+    pub max_context: Option<usize>,
+}
+
+/// One `model_type`.
+pub trait Architecture: Send + Sync {
+    /// The `model_type` served.
+    fn name(&self) -> &str;
+
+    /// One line for `mlex list`.
+    fn summary(&self) -> &str;
+
+    /// The config the layers read. Multimodal wrappers lift their
+    /// `text_config` here; others return the config unchanged.
+    fn text_config(&self, config: &ModelConfig) -> Result<ModelConfig> {
+        Ok(config.clone())
+    }
+
+    /// Which layer kinds, with which options and prefixes.
+    fn plan(&self, config: &ModelConfig) -> Result<ModelPlan>;
+
+    /// Translates checkpoint names/layouts into the naming the plan uses
+    /// (drops unused tensors, fixes conv axis order, norm offsets, ...).
+    /// `config` is the top-level config.
+    fn sanitize(&self, _config: &ModelConfig, _weights: &mut WeightMap) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,103 @@
+//! The object-safe cache trait that layers hand out.
+//!
+//! A layer's state between decode steps lives in one or more caches. Two
+//! families exist and the difference shapes the whole engine:
+//!
+//! - **growing** caches (attention KV) gain a row per token; they are written
+//!   eagerly between compiled segments ([`KvAccess`]) and can be trimmed.
+//! - **fixed-size** caches (gated-delta conv window + recurrent state, Mamba2
+//!   conv + SSM state, canon conv windows) hold a few arrays of constant
+//!   shape; they pass *through* compiled segments as plain inputs/outputs
+//!   ([`Cache::state`] / [`Cache::set_state`]) and cannot be trimmed, only
+//!   snapshotted and restored.
+//!
+//! Cloning a cache clones array handles (MLX arrays are reference counted),
+//! so copying a whole model's caches costs O(layers), not O(bytes).
+
+use crate::error::Result;
+use mlx_rs::Array;
+use std::collections::BTreeMap;
+
+/// What attention should mask when reading a growing cache.
+#[derive(Clone, Debug)]
+pub enum AttentionMask {
+    /// No mask (single query over all keys).
+    None,
+    /// Causal, aligned to the last key (MLX's `"causal"` mode).
+    Causal,
+    /// An explicit boolean/additive mask.
+    Array(Array),
+}
+
+/// Eager access to a growing key/value cache.
+pub trait KvAccess {
+    /// Tokens written so far (the RoPE offset of the next token).
+    fn offset(&self) -> usize;
+    /// Appends `keys`/`values` (`[B, H, T, D]`) and returns the keys and
+    /// values attention should read.
+    fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)>;
+    /// The mask for `n` new queries against what `update_and_fetch` returns
+    /// (call before the update).
+    fn mask(&self, n: usize) -> Result<AttentionMask>;
+}
+
+/// Serialized form of one cache: named arrays plus string metadata.
+#[derive(Clone, Debug, Default)]
+pub struct CacheTensors {
+    /// Arrays by name (e.g. `keys`, `values`, `state0`).
+    pub arrays: BTreeMap<String, Array>,
+    /// Everything else needed to rebuild the cache (offsets, sizes).
+    pub meta: BTreeMap<String, String>,
+}
+
+/// One cache of one layer.
+pub trait Cache: Send + Sync {
+    /// The registered kind name (`kv`, `rotating_kv`, `gated_delta`, ...).
+    fn kind(&self) -> &'static str;
+
+    /// Tokens this cache has seen.
+    fn offset(&self) -> usize;
+
+    /// True for caches that gain a row per token.
+    fn grows(&self) -> bool;
+
+    /// The fixed-size state arrays (empty for growing caches).
+    fn state(&self) -> Vec<Array>;
+
+    /// Replaces the fixed-size state (same count and shapes as [`Cache::state`]).
+    fn set_state(&mut self, state: Vec<Array>) -> Result<()>;
+
+    /// Records that `n` tokens went through (fixed-size caches; growing
+    /// caches count in `update_and_fetch`).
+    fn advance(&mut self, n: usize);
+
+    /// Eager KV access (growing caches only).
+    fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
+        None
+    }
+
+    /// True when [`Cache::trim`] can drop the last tokens exactly.
+    fn is_trimmable(&self) -> bool {
+        false
+    }
+
+    /// Drops the last `n` tokens; returns how many were dropped.
+    fn trim(&mut self, _n: usize) -> usize {
+        0
+    }
+
+    /// Bytes held (logical, for cache budgets).
+    fn nbytes(&self) -> usize;
+
+    /// An O(1) copy sharing the arrays.
+    fn box_clone(&self) -> Box<dyn Cache>;
+
+    /// The arrays and metadata to save this cache.
+    fn to_tensors(&self) -> CacheTensors;
+}
+
+impl Clone for Box<dyn Cache> {
+    fn clone(&self) -> Self {
+        self.box_clone()
+    }
+}

@@ -1,0 +1,151 @@
+//! Which MLX backend is loaded and what it runs on.
+//!
+//! The binary is linked against the CPU `libmlx.so` from the pinned wheel;
+//! at run time the dynamic loader may pick another build of the same
+//! version (CUDA on an NVIDIA machine through `LD_LIBRARY_PATH`, Metal on a
+//! Mac). This module asks the loaded library what it is.
+
+use crate::error::Result;
+use std::ffi::CStr;
+
+/// The loaded MLX backend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// CPU only.
+    Cpu,
+    /// NVIDIA CUDA.
+    Cuda,
+    /// Apple Metal.
+    Metal,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Cpu => "cpu",
+            Backend::Cuda => "cuda",
+            Backend::Metal => "metal",
+        })
+    }
+}
+
+/// A summary of the MLX runtime in this process.
+#[derive(Clone, Debug)]
+pub struct RuntimeInfo {
+    /// MLX version reported by the loaded library.
+    pub mlx_version: String,
+    /// The backend with a GPU, if any.
+    pub backend: Backend,
+    /// Number of GPU devices.
+    pub gpu_count: i32,
+    /// The default device (`cpu` or `gpu`).
+    pub default_device: String,
+    /// The GPU's name, when there is one.
+    pub gpu_name: Option<String>,
+}
+
+/// Makes sure mlx-rs's error handler is installed before any raw mlx-c
+/// call (mlx-c's default handler exits the process).
+fn ensure_error_handler() {
+    let _ = mlx_rs::Device::try_default();
+}
+
+fn flag(f: unsafe extern "C" fn(*mut bool) -> i32) -> bool {
+    ensure_error_handler();
+    let mut v = false;
+    // SAFETY: the function writes one bool through the pointer.
+    let status = unsafe { f(&mut v) };
+    status == 0 && v
+}
+
+/// Asks the loaded MLX library what it runs on.
+pub fn runtime_info() -> Result<RuntimeInfo> {
+    ensure_error_handler();
+    let backend = if flag(mlx_sys::mlx_cuda_is_available) {
+        Backend::Cuda
+    } else if flag(mlx_sys::mlx_metal_is_available) {
+        Backend::Metal
+    } else {
+        Backend::Cpu
+    };
+    let mut gpu_count = 0;
+    // SAFETY: writes one int; a failure leaves 0.
+    unsafe {
+        mlx_sys::mlx_device_count(&mut gpu_count, mlx_sys::mlx_device_type__MLX_GPU);
+    }
+    let default = mlx_rs::Device::try_default()?;
+    let default_device = match default.get_type()? {
+        mlx_rs::DeviceType::Cpu => "cpu",
+        mlx_rs::DeviceType::Gpu => "gpu",
+    }
+    .to_owned();
+    let gpu_name = if gpu_count > 0 {
+        device_string(mlx_sys::mlx_device_type__MLX_GPU, "device_name")
+    } else {
+        None
+    };
+    Ok(RuntimeInfo {
+        mlx_version: mlx_version(),
+        backend,
+        gpu_count,
+        default_device,
+        gpu_name,
+    })
+}
+
+fn device_string(kind: mlx_sys::mlx_device_type, key: &str) -> Option<String> {
+    let key = std::ffi::CString::new(key).ok()?;
+    // SAFETY: mlx-c device-info API used as documented; the info object is
+    // freed before returning and the string copied out first.
+    unsafe {
+        let dev = mlx_sys::mlx_device_new_type(kind, 0);
+        let mut info = mlx_sys::mlx_device_info_new();
+        let mut out = None;
+        if mlx_sys::mlx_device_info_get(&mut info, dev) == 0 {
+            let mut s: *const std::os::raw::c_char = std::ptr::null();
+            if mlx_sys::mlx_device_info_get_string(&mut s, info, key.as_ptr()) == 0 && !s.is_null()
+            {
+                out = Some(CStr::from_ptr(s).to_string_lossy().into_owned());
+            }
+        }
+        mlx_sys::mlx_device_info_free(info);
+        mlx_sys::mlx_device_free(dev);
+        out
+    }
+}
+
+/// The MLX version string of the loaded library.
+pub fn mlx_version() -> String {
+    ensure_error_handler();
+    // SAFETY: mlx_version fills an mlx_string that we read and free.
+    unsafe {
+        let mut s = mlx_sys::mlx_string_new();
+        let text = if mlx_sys::mlx_version(&mut s) == 0 {
+            let p = mlx_sys::mlx_string_data(s);
+            if p.is_null() {
+                String::new()
+            } else {
+                CStr::from_ptr(p).to_string_lossy().into_owned()
+            }
+        } else {
+            String::new()
+        };
+        mlx_sys::mlx_string_free(s);
+        text
+    }
+}
+
+/// Peak memory MLX has allocated since start or the last reset, in bytes.
+pub fn peak_memory() -> Result<usize> {
+    Ok(mlx_rs::memory::peak_memory()?)
+}
+
+/// Resets the peak-memory counter.
+pub fn reset_peak_memory() -> Result<()> {
+    Ok(mlx_rs::memory::reset_peak_memory()?)
+}
+
+/// Memory MLX currently holds for live arrays, in bytes.
+pub fn active_memory() -> Result<usize> {
+    Ok(mlx_rs::memory::active_memory()?)
+}

@@ -1,0 +1,203 @@
+//! Decoder layers and the kinds that build them.
+//!
+//! A [`Layer`] runs in up to three phases so that the decode step can be cut
+//! at growing-cache writes (see `mlex-compile`):
+//!
+//! 1. [`Layer::head`]: pure; everything before the growing-cache write
+//!    (norm, projections, q/k norms). For a layer without a growing cache
+//!    this is the whole layer.
+//! 2. [`Layer::grow`]: eager; RoPE at the cache offset, the KV write, SDPA.
+//! 3. [`Layer::tail`]: pure; everything after (output projection, residual,
+//!    MLP).
+//!
+//! Pure phases read weights through [`Params`] and thread the layer's
+//! fixed-size state (`&mut [Array]`, the concatenated [`Cache::state`] of its
+//! non-growing caches) explicitly, so they can be traced by MLX's compiler
+//! with state and weights as inputs. Eager forward passes (prefill, tests)
+//! call the same three phases in order, so compiled and eager decode share
+//! one implementation.
+
+use crate::cache::Cache;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::params::{ParamId, Params};
+use crate::weights::WeightLoader;
+use mlx_rs::{Array, Dtype};
+use serde_json::Value;
+
+/// Values passed between the phases of one layer (e.g. the residual and
+/// q/k/v after the head).
+pub type Carry = Vec<Array>;
+
+/// One built decoder layer.
+pub trait Layer: Send + Sync {
+    /// The layer kind's registered name.
+    fn kind(&self) -> &str;
+
+    /// Every weight the layer reads, in any phase.
+    fn params(&self) -> Vec<ParamId>;
+
+    /// True when the layer has a growing cache (and so a [`Layer::grow`]
+    /// phase).
+    fn grows(&self) -> bool;
+
+    /// Fresh caches for `batch` sequences with activations of `dtype`. The
+    /// growing cache, if any, comes first.
+    fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>>;
+
+    /// Phase 1 (pure): `x` is `[B, T, D]`.
+    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry>;
+
+    /// Phase 2 (eager): reads/writes the growing cache. Layers that do not
+    /// grow pass the carry through.
+    fn grow(&self, _p: &Params, carry: Carry, _cache: &mut dyn Cache) -> Result<Carry> {
+        Ok(carry)
+    }
+
+    /// Phase 2 without a cache (a full forward pass with no cache at all):
+    /// causal attention over the `T` tokens of this call.
+    fn grow_uncached(&self, _p: &Params, carry: Carry) -> Result<Carry> {
+        Ok(carry)
+    }
+
+    /// Phase 3 (pure): returns the layer's output `[B, T, D]`.
+    fn tail(&self, _p: &Params, carry: Carry, _state: &mut [Array]) -> Result<Array> {
+        carry
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Other("layer phase produced no output".into()))
+    }
+
+    /// A one-line description for `mlex inspect`.
+    fn describe(&self) -> String {
+        self.kind().to_owned()
+    }
+}
+
+/// What state a layer kind keeps between tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateKind {
+    /// No state (MLP-only, MoE).
+    None,
+    /// Fixed-size recurrent state (gated delta, Mamba2).
+    Fixed,
+    /// A cache that grows per token (attention).
+    Growing,
+    /// Both (attention with canon conv windows).
+    GrowingAndFixed,
+}
+
+impl StateKind {
+    /// True when the state grows per token.
+    pub fn grows(self) -> bool {
+        matches!(self, StateKind::Growing | StateKind::GrowingAndFixed)
+    }
+}
+
+/// Everything a layer kind needs to build one layer.
+pub struct BuildCtx<'a> {
+    /// The (text) model config.
+    pub config: &'a ModelConfig,
+    /// The layer's index in the stack.
+    pub index: usize,
+    /// The layer's weight prefix, e.g. `model.layers.3`.
+    pub prefix: String,
+    /// Kind-specific options from the architecture or a TOML file
+    /// (weight-name templates, feature switches).
+    pub options: &'a Value,
+    /// Where weights come from.
+    pub weights: &'a mut WeightLoader,
+}
+
+impl BuildCtx<'_> {
+    /// `{prefix}.{name}`.
+    pub fn path(&self, name: &str) -> String {
+        if name.is_empty() {
+            self.prefix.clone()
+        } else if self.prefix.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    /// A string option, or `default`.
+    pub fn opt_str<'s>(&'s self, key: &str, default: &'s str) -> &'s str {
+        self.options
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or(default)
+    }
+
+    /// A boolean option, or `default`.
+    pub fn opt_bool(&self, key: &str, default: bool) -> bool {
+        self.options
+            .get(key)
+            .and_then(Value::as_bool)
+            .unwrap_or(default)
+    }
+
+    /// A numeric option, or `default`.
+    pub fn opt_f64(&self, key: &str, default: f64) -> f64 {
+        self.options
+            .get(key)
+            .and_then(Value::as_f64)
+            .unwrap_or(default)
+    }
+
+    /// An integer config key (required).
+    pub fn cfg_i32(&self, key: &str) -> Result<i32> {
+        self.config
+            .value()
+            .get(key)
+            .and_then(Value::as_i64)
+            .map(|v| v as i32)
+            .ok_or_else(|| {
+                self.config
+                    .error(key, "missing or not an integer (needed by this layer kind)")
+            })
+    }
+
+    /// An optional integer config key.
+    pub fn cfg_i32_opt(&self, key: &str) -> Option<i32> {
+        self.config
+            .value()
+            .get(key)
+            .and_then(Value::as_i64)
+            .map(|v| v as i32)
+    }
+
+    /// A float config key, or `default`.
+    pub fn cfg_f64_or(&self, key: &str, default: f64) -> f64 {
+        self.config
+            .value()
+            .get(key)
+            .and_then(Value::as_f64)
+            .unwrap_or(default)
+    }
+
+    /// A boolean config key, or `default`.
+    pub fn cfg_bool_or(&self, key: &str, default: bool) -> bool {
+        self.config
+            .value()
+            .get(key)
+            .and_then(Value::as_bool)
+            .unwrap_or(default)
+    }
+}
+
+/// A kind of decoder layer, registered by name, that builds layers from
+/// config keys, options and weights.
+pub trait LayerKind: Send + Sync {
+    /// The registered name (`attention`, `gated_delta`, `mamba2`, ...).
+    fn name(&self) -> &'static str;
+
+    /// What it keeps between tokens.
+    fn state(&self) -> StateKind;
+
+    /// One line for `mlex list`.
+    fn summary(&self) -> &'static str;
+
+    /// Builds one layer.
+    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>>;
+}

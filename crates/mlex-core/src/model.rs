@@ -1,0 +1,360 @@
+//! The runnable model every architecture produces: embedding, a stack of
+//! layers from registered kinds, final norm, output head.
+//!
+//! The eager forward pass here is the reference path: prefill, the full
+//! forward of `mlex logits`, and what compiled decode must equal.
+
+use crate::arch::{Architecture, HeadPlan, ModelPlan};
+use crate::cache::Cache;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result, ResultExt};
+use crate::layer::{BuildCtx, Layer};
+use crate::nn::{Embedding, Linear, RmsNorm};
+use crate::params::{ParamId, ParamStore, Params};
+use crate::quant::Quantization;
+use crate::registry::Registry;
+use crate::weights::{WeightLoader, WeightMap};
+use mlx_rs::{ops, Array, Dtype};
+use std::sync::Arc;
+
+/// The output projection.
+#[derive(Clone, Debug)]
+pub enum Head {
+    /// `x @ embedding^T`.
+    Tied,
+    /// A separate linear layer.
+    Linear(Linear),
+}
+
+/// One layer and its place in the stack.
+pub struct LayerSlot {
+    /// The layer kind's name.
+    pub kind: String,
+    /// The weight prefix.
+    pub prefix: String,
+    /// The built layer.
+    pub layer: Arc<dyn Layer>,
+}
+
+/// A loaded model.
+pub struct Model {
+    /// The `model_type`.
+    pub arch: String,
+    /// The text config the layers were built from.
+    pub config: ModelConfig,
+    /// All weights.
+    pub params: ParamStore,
+    /// Token embedding.
+    pub embed: Embedding,
+    /// The layer stack.
+    pub layers: Vec<LayerSlot>,
+    /// Final norm.
+    pub norm: RmsNorm,
+    /// Output head.
+    pub head: Head,
+    /// Logit soft-cap.
+    pub softcap: Option<f32>,
+    /// Activation dtype.
+    pub dtype: Dtype,
+    /// Context limit from the config, if any.
+    pub max_context: Option<usize>,
+    /// The checkpoint's quantization.
+    pub quantization: Quantization,
+}
+
+/// The caches of a whole model: one list per layer.
+#[derive(Clone, Default)]
+pub struct ModelCache {
+    /// `layers[i]` are the caches of layer `i` (growing cache first).
+    pub layers: Vec<Vec<Box<dyn Cache>>>,
+}
+
+impl ModelCache {
+    /// Tokens seen (the offset of the first cache that has one).
+    pub fn offset(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|c| c.offset())
+            .next()
+            .unwrap_or(0)
+    }
+
+    /// Bytes held by all caches.
+    pub fn nbytes(&self) -> usize {
+        self.layers.iter().flatten().map(|c| c.nbytes()).sum()
+    }
+
+    /// True when every cache can drop tokens exactly (no recurrent state).
+    pub fn is_trimmable(&self) -> bool {
+        self.layers.iter().flatten().all(|c| c.is_trimmable())
+    }
+
+    /// Drops the last `n` tokens of every cache (requires
+    /// [`ModelCache::is_trimmable`]).
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        if !self.is_trimmable() {
+            return Err(Error::Cache(
+                "this model keeps recurrent state, which cannot be trimmed; restore a snapshot instead"
+                    .into(),
+            ));
+        }
+        for c in self.layers.iter_mut().flatten() {
+            c.trim(n);
+        }
+        Ok(())
+    }
+
+    /// Every array the caches hold (for `eval`/`async_eval`).
+    pub fn arrays(&self) -> Vec<Array> {
+        let mut out = Vec::new();
+        for c in self.layers.iter().flatten() {
+            out.extend(c.to_tensors().arrays.into_values());
+        }
+        out
+    }
+}
+
+/// The fixed-size state of one layer's caches, concatenated.
+pub fn gather_state(caches: &[Box<dyn Cache>]) -> Vec<Array> {
+    caches
+        .iter()
+        .filter(|c| !c.grows())
+        .flat_map(|c| c.state())
+        .collect()
+}
+
+/// Writes back what [`gather_state`] gathered and counts `tokens` on the
+/// fixed-size caches.
+pub fn scatter_state(caches: &mut [Box<dyn Cache>], state: Vec<Array>, tokens: usize) -> Result<()> {
+    let mut it = state.into_iter();
+    for c in caches.iter_mut().filter(|c| !c.grows()) {
+        let n = c.state().len();
+        let part: Vec<Array> = it.by_ref().take(n).collect();
+        if part.len() != n {
+            return Err(Error::Cache("a layer returned too few state arrays".into()));
+        }
+        c.set_state(part)?;
+        c.advance(tokens);
+    }
+    Ok(())
+}
+
+impl Model {
+    /// Builds a model: the architecture's config lifting, sanitize and plan,
+    /// then every layer from its registered kind; loading is strict.
+    pub fn build(
+        arch: &dyn Architecture,
+        raw_config: &ModelConfig,
+        mut weights: WeightMap,
+        registry: &Registry,
+    ) -> Result<Model> {
+        let config = arch.text_config(raw_config)?;
+        let quantization = Quantization::from_config(raw_config)?;
+        arch.sanitize(raw_config, &mut weights)?;
+        let plan = arch.plan(&config)?;
+        Self::build_from_plan(arch.name(), config, plan, weights, quantization, registry)
+    }
+
+    /// Builds a model from an explicit plan (sanitized weights).
+    pub fn build_from_plan(
+        arch: &str,
+        config: ModelConfig,
+        plan: ModelPlan,
+        weights: WeightMap,
+        quantization: Quantization,
+        registry: &Registry,
+    ) -> Result<Model> {
+        let mut ld = WeightLoader::new(weights, quantization.clone());
+        let embed = Embedding::load(&mut ld, &plan.embed, plan.vocab_size, plan.hidden_size)?;
+        let mut layers = Vec::with_capacity(plan.layers.len());
+        for (index, lp) in plan.layers.iter().enumerate() {
+            let kind = registry.layer_kind(&lp.kind).map_err(|e| match e {
+                Error::UnknownLayerKind { kind, known, .. } => Error::UnknownLayerKind {
+                    kind,
+                    context: Some(format!("layer {index} of `{arch}`")),
+                    known,
+                },
+                e => e,
+            })?;
+            let mut ctx = BuildCtx {
+                config: &config,
+                index,
+                prefix: lp.prefix.clone(),
+                options: &lp.options,
+                weights: &mut ld,
+            };
+            let layer = kind.build(&mut ctx)?;
+            layers.push(LayerSlot {
+                kind: lp.kind.clone(),
+                prefix: lp.prefix.clone(),
+                layer: Arc::from(layer),
+            });
+        }
+        let norm = RmsNorm::load(&mut ld, &plan.final_norm, plan.hidden_size, plan.norm_eps)?;
+        let head = match &plan.head {
+            HeadPlan::Tied => Head::Tied,
+            HeadPlan::Linear(prefix) => Head::Linear(Linear::load(
+                &mut ld,
+                prefix,
+                plan.hidden_size,
+                plan.vocab_size,
+                false,
+            )?),
+        };
+        let params = ld.finish()?;
+        let dtype = embed.dtype(&params.view())?;
+        Ok(Model {
+            arch: arch.to_owned(),
+            config,
+            params,
+            embed,
+            layers,
+            norm,
+            head,
+            softcap: plan.logit_softcap,
+            dtype,
+            max_context: plan.max_context,
+            quantization,
+        })
+    }
+
+    /// Vocabulary size.
+    pub fn vocab_size(&self) -> i32 {
+        self.embed.vocab
+    }
+
+    /// Fresh caches for `batch` sequences.
+    pub fn make_cache(&self, batch: usize) -> Result<ModelCache> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for slot in &self.layers {
+            layers.push(slot.layer.make_caches(batch, self.dtype)?);
+        }
+        Ok(ModelCache { layers })
+    }
+
+    /// Weights read by [`Model::embed_tokens`].
+    pub fn embed_params(&self) -> Vec<ParamId> {
+        self.embed.params()
+    }
+
+    /// Weights read by [`Model::logits`].
+    pub fn head_params(&self) -> Vec<ParamId> {
+        let mut v = vec![self.norm.weight];
+        match &self.head {
+            Head::Tied => v.extend(self.embed.params()),
+            Head::Linear(l) => v.extend(l.params()),
+        }
+        v
+    }
+
+    /// `tokens` (`[B, T]` int) → hidden states `[B, T, D]`.
+    pub fn embed_tokens(&self, p: &Params, tokens: &Array) -> Result<Array> {
+        self.embed.forward(p, tokens).ctx(|| "embedding".into())
+    }
+
+    /// Hidden states → logits (final norm, head, soft-cap).
+    pub fn logits(&self, p: &Params, x: &Array) -> Result<Array> {
+        let h = self.norm.forward(p, x)?;
+        let mut out = match &self.head {
+            Head::Tied => self.embed.as_linear(p, &h)?,
+            Head::Linear(l) => l.forward(p, &h)?,
+        };
+        if let Some(c) = self.softcap {
+            let cc = crate::nn::scalar(c, out.dtype())?;
+            out = ops::multiply(ops::tanh(ops::divide(&out, &cc)?)?, &cc)?;
+        }
+        Ok(out)
+    }
+
+    /// Runs layer `i` eagerly on `x` with its caches.
+    pub fn run_layer(
+        &self,
+        p: &Params,
+        i: usize,
+        x: &Array,
+        caches: &mut [Box<dyn Cache>],
+    ) -> Result<Array> {
+        let layer = &self.layers[i].layer;
+        let tokens = x.shape()[1] as usize;
+        let ctx = || format!("layer {i} ({})", self.layers[i].kind);
+        let mut state = gather_state(caches);
+        let carry = layer.head(p, x, &mut state).ctx(ctx)?;
+        let carry = if layer.grows() {
+            let kv = caches
+                .iter_mut()
+                .find(|c| c.grows())
+                .ok_or_else(|| Error::Cache(format!("{} has no growing cache", ctx())))?;
+            layer.grow(p, carry, kv.as_mut()).ctx(ctx)?
+        } else {
+            carry
+        };
+        let y = layer.tail(p, carry, &mut state).ctx(ctx)?;
+        scatter_state(caches, state, tokens)?;
+        Ok(y)
+    }
+
+    /// Hidden states after the last layer (before the final norm) for
+    /// `tokens` `[B, T]`, updating `cache`.
+    pub fn forward_hidden(&self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
+        if cache.layers.len() != self.layers.len() {
+            return Err(Error::Cache(format!(
+                "cache has {} layers, model has {}",
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let p = self.params.view();
+        let mut x = self.embed_tokens(&p, tokens)?;
+        for (i, caches) in cache.layers.iter_mut().enumerate() {
+            x = self.run_layer(&p, i, &x, caches)?;
+        }
+        Ok(x)
+    }
+
+    /// Logits of every position, `[B, T, V]`.
+    pub fn forward(&self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
+        let x = self.forward_hidden(tokens, cache)?;
+        self.logits(&self.params.view(), &x)
+    }
+
+    /// Logits of the last position only, `[B, V]` (prefill for generation).
+    pub fn forward_last(&self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
+        let x = self.forward_hidden(tokens, cache)?;
+        let t = x.shape()[1];
+        let last = x.index_last(t)?;
+        let logits = self.logits(&self.params.view(), &last)?;
+        Ok(ops::squeeze_axes(&logits, &[1])?)
+    }
+
+    /// Replaces the weight called `name` (same shape and dtype). Compiled
+    /// traces built before see the new value on their next call.
+    pub fn update_weight(&mut self, name: &str, array: Array) -> Result<()> {
+        let id = self
+            .params
+            .find(name)
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_owned(),
+                files: vec![],
+            })?;
+        self.params.set(id, array)
+    }
+
+    /// Parameter count (elements; packed quantized weights count as stored).
+    pub fn num_parameters(&self) -> usize {
+        self.params.iter().map(|(_, a)| a.size()).sum()
+    }
+}
+
+/// Slicing helpers on [`Array`] used across the engine.
+pub trait ArrayExt {
+    /// `x[:, t-1:t, :]` of a `[B, T, D]` array.
+    fn index_last(&self, t: i32) -> Result<Array>;
+}
+
+impl ArrayExt for Array {
+    fn index_last(&self, t: i32) -> Result<Array> {
+        use mlx_rs::ops::indexing::TryIndexOp;
+        Ok(self.try_index((.., (t - 1)..t, ..))?)
+    }
+}

@@ -1,0 +1,324 @@
+//! Checkpoint tensors: loading (validated first, so a corrupt file is an
+//! error naming it, never an abort inside MLX), name translation
+//! (`sanitize`), and strict consumption by the model builder.
+//!
+//! The flow: [`WeightMap::load_safetensors`] (or a GGUF reader) gives raw
+//! tensors; the architecture's `sanitize` renames/reshapes them in the map;
+//! [`WeightLoader`] hands them to layers one by one, checking each shape,
+//! and [`WeightLoader::finish`] fails if any tensor was left unused.
+
+use crate::error::{Error, Result};
+use crate::params::{ParamId, ParamStore};
+use crate::quant::{QuantSpec, Quantization};
+use mlx_rs::{Array, Dtype};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug)]
+struct Entry {
+    array: Array,
+    file: usize,
+}
+
+/// Named tensors with the file each came from.
+#[derive(Clone, Debug, Default)]
+pub struct WeightMap {
+    tensors: BTreeMap<String, Entry>,
+    files: Vec<PathBuf>,
+}
+
+/// Validates a safetensors file without reading its data: header present,
+/// parseable, offsets inside the file, dtypes that MLX can load.
+pub fn validate_safetensors(path: &Path) -> Result<()> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let bad = |message: String| Error::BadWeightsFile {
+        file: path.to_owned(),
+        format: "safetensors",
+        message,
+    };
+    // SAFETY: read-only map of a file we do not modify; a concurrent writer
+    // could change bytes under us, which safetensors' bounds checks tolerate.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| bad(e.to_string()))?;
+    for (name, view) in st.tensors() {
+        use safetensors::Dtype as D;
+        match view.dtype() {
+            D::F32 | D::F16 | D::BF16 | D::U32 | D::I32 | D::U8 | D::I8 | D::I64 | D::U64
+            | D::BOOL | D::U16 | D::I16 | D::F64 => {}
+            other => {
+                return Err(bad(format!(
+                    "tensor `{name}` has dtype {other:?}, which MLX cannot load"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+impl WeightMap {
+    /// An empty map.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Loads every tensor of the given safetensors files. Each file is
+    /// validated first; a tensor present in two files is an error.
+    pub fn load_safetensors(paths: &[PathBuf]) -> Result<Self> {
+        let mut map = Self::new();
+        for path in paths {
+            validate_safetensors(path)?;
+            let tensors = Array::load_safetensors(path).map_err(|e| Error::BadWeightsFile {
+                file: path.clone(),
+                format: "safetensors",
+                message: e.to_string(),
+            })?;
+            let idx = map.add_file(path.clone());
+            for (name, array) in tensors {
+                if let Some(prev) = map.tensors.get(&name) {
+                    return Err(Error::BadWeightsFile {
+                        file: path.clone(),
+                        format: "safetensors",
+                        message: format!(
+                            "tensor `{name}` is also in {}",
+                            map.files[prev.file].display()
+                        ),
+                    });
+                }
+                map.tensors.insert(name, Entry { array, file: idx });
+            }
+        }
+        Ok(map)
+    }
+
+    /// Registers a source file; returns its index for [`WeightMap::insert`].
+    pub fn add_file(&mut self, path: PathBuf) -> usize {
+        self.files.push(path);
+        self.files.len() - 1
+    }
+
+    /// The source files.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    /// Inserts (or replaces) a tensor from source file `file`.
+    pub fn insert(&mut self, name: impl Into<String>, array: Array, file: usize) {
+        self.tensors.insert(name.into(), Entry { array, file });
+    }
+
+    /// The tensor called `name`.
+    pub fn get(&self, name: &str) -> Option<&Array> {
+        self.tensors.get(name).map(|e| &e.array)
+    }
+
+    /// True when `name` is present.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Removes and returns a tensor with its source file index.
+    pub fn remove(&mut self, name: &str) -> Option<(Array, usize)> {
+        self.tensors.remove(name).map(|e| (e.array, e.file))
+    }
+
+    /// All names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// The file a tensor came from.
+    pub fn file_of(&self, name: &str) -> Option<&Path> {
+        self.tensors
+            .get(name)
+            .map(|e| self.files[e.file].as_path())
+    }
+
+    /// Renames every tensor with `f`; `None` drops it. Two tensors mapped to
+    /// one name is an error.
+    pub fn rename_all(&mut self, mut f: impl FnMut(&str) -> Option<String>) -> Result<()> {
+        let old = std::mem::take(&mut self.tensors);
+        for (name, entry) in old {
+            if let Some(new) = f(&name) {
+                if self.tensors.contains_key(&new) {
+                    return Err(Error::BadWeightsFile {
+                        file: self.files[entry.file].clone(),
+                        format: "checkpoint",
+                        message: format!("two tensors map to `{new}` (one is `{name}`)"),
+                    });
+                }
+                self.tensors.insert(new, entry);
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces the tensor `name` by `f(tensor)`.
+    pub fn update(&mut self, name: &str, f: impl FnOnce(&Array) -> Result<Array>) -> Result<()> {
+        if let Some(e) = self.tensors.get_mut(name) {
+            e.array = f(&e.array)?;
+        }
+        Ok(())
+    }
+
+    /// Applies `f` to every tensor whose name satisfies `pred`.
+    pub fn update_where(
+        &mut self,
+        pred: impl Fn(&str, &Array) -> bool,
+        f: impl Fn(&Array) -> Result<Array>,
+    ) -> Result<()> {
+        for (name, e) in self.tensors.iter_mut() {
+            if pred(name, &e.array) {
+                e.array = f(&e.array)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Hands the tensors of a [`WeightMap`] to a model under construction and
+/// checks that every one is used exactly once with the expected shape.
+pub struct WeightLoader {
+    map: WeightMap,
+    store: ParamStore,
+    quant: Quantization,
+}
+
+fn shape_str(shape: &[i32]) -> String {
+    format!(
+        "[{}]",
+        shape
+            .iter()
+            .map(|d| d.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+impl WeightLoader {
+    /// Starts loading from `map` with the checkpoint's quantization.
+    pub fn new(map: WeightMap, quant: Quantization) -> Self {
+        Self {
+            map,
+            store: ParamStore::new(),
+            quant,
+        }
+    }
+
+    /// True when the (sanitized) tensor `name` exists and is unused.
+    pub fn has(&self, name: &str) -> bool {
+        self.map.contains(name)
+    }
+
+    /// The shape of an unused tensor.
+    pub fn shape_of(&self, name: &str) -> Option<Vec<i32>> {
+        self.map.get(name).map(|a| a.shape().to_vec())
+    }
+
+    /// The quantization spec for a module path.
+    pub fn quant_for(&self, module: &str) -> Option<QuantSpec> {
+        self.quant.for_module(module)
+    }
+
+    /// The checkpoint's quantization.
+    pub fn quantization(&self) -> &Quantization {
+        &self.quant
+    }
+
+    fn missing(&self, name: &str) -> Error {
+        Error::MissingTensor {
+            name: name.to_owned(),
+            files: self.map.files().to_vec(),
+        }
+    }
+
+    fn file_for(&self, name: &str) -> PathBuf {
+        self.map
+            .file_of(name)
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("(checkpoint)"))
+    }
+
+    /// Takes a floating-point tensor of exactly `shape`.
+    pub fn take(&mut self, name: &str, shape: &[i32]) -> Result<ParamId> {
+        self.take_checked(name, Some(shape), true)
+    }
+
+    /// Takes a tensor of any shape and dtype.
+    pub fn take_any(&mut self, name: &str) -> Result<ParamId> {
+        self.take_checked(name, None, false)
+    }
+
+    /// Takes a packed quantized weight (`uint32`) of exactly `shape`.
+    pub fn take_packed(&mut self, name: &str, shape: &[i32]) -> Result<ParamId> {
+        let file = self.file_for(name);
+        let array = self.map.get(name).ok_or_else(|| self.missing(name))?;
+        if array.dtype() != Dtype::Uint32 {
+            return Err(Error::TensorMismatch {
+                name: name.to_owned(),
+                file,
+                expected: "uint32 (packed quantized weight)".into(),
+                found: format!("{:?}", array.dtype()),
+            });
+        }
+        self.take_checked(name, Some(shape), false)
+    }
+
+    fn take_checked(&mut self, name: &str, shape: Option<&[i32]>, float: bool) -> Result<ParamId> {
+        let file = self.file_for(name);
+        let (array, _) = self.map.remove(name).ok_or_else(|| self.missing(name))?;
+        if let Some(shape) = shape {
+            if array.shape() != shape {
+                return Err(Error::TensorMismatch {
+                    name: name.to_owned(),
+                    file,
+                    expected: format!("shape {}", shape_str(shape)),
+                    found: format!("shape {}", shape_str(array.shape())),
+                });
+            }
+        }
+        if float
+            && !matches!(
+                array.dtype(),
+                Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
+            )
+        {
+            return Err(Error::TensorMismatch {
+                name: name.to_owned(),
+                file,
+                expected: "a floating-point dtype".into(),
+                found: format!("{:?}", array.dtype()),
+            });
+        }
+        Ok(self.store.push(name, array))
+    }
+
+    /// Adds a tensor that the checkpoint does not hold (e.g. a derived one).
+    pub fn push_derived(&mut self, name: &str, array: Array) -> ParamId {
+        self.store.push(name, array)
+    }
+
+    /// Read access to what has been taken so far.
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// Ends loading: an error if any tensor was not used.
+    pub fn finish(self) -> Result<ParamStore> {
+        if !self.map.is_empty() {
+            let names = self.map.names();
+            let file = self.file_for(&names[0]);
+            return Err(Error::UnexpectedTensors { names, file });
+        }
+        Ok(self.store)
+    }
+}

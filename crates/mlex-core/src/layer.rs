@@ -54,12 +54,6 @@ pub trait Layer: Send + Sync {
         Ok(carry)
     }
 
-    /// Phase 2 without a cache (a full forward pass with no cache at all):
-    /// causal attention over the `T` tokens of this call.
-    fn grow_uncached(&self, _p: &Params, carry: Carry) -> Result<Carry> {
-        Ok(carry)
-    }
-
     /// Phase 3 (pure): returns the layer's output `[B, T, D]`.
     fn tail(&self, _p: &Params, carry: Carry, _state: &mut [Array]) -> Result<Array> {
         carry

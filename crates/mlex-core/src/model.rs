@@ -21,9 +21,47 @@ use std::sync::Arc;
 #[derive(Clone, Debug)]
 pub enum Head {
     /// `x @ embedding^T`.
-    Tied,
+    Tied(Embedding),
     /// A separate linear layer.
     Linear(Linear),
+}
+
+/// Final norm, output projection and optional soft-cap: hidden states to
+/// logits. Holds only ids, so compiled segments can own a copy.
+#[derive(Clone, Debug)]
+pub struct OutputHead {
+    /// Final norm.
+    pub norm: RmsNorm,
+    /// Projection.
+    pub head: Head,
+    /// `c * tanh(logits / c)` when set.
+    pub softcap: Option<f32>,
+}
+
+impl OutputHead {
+    /// Weights read by [`OutputHead::forward`].
+    pub fn params(&self) -> Vec<ParamId> {
+        let mut v = vec![self.norm.weight];
+        match &self.head {
+            Head::Tied(e) => v.extend(e.params()),
+            Head::Linear(l) => v.extend(l.params()),
+        }
+        v
+    }
+
+    /// Hidden states → logits.
+    pub fn forward(&self, p: &Params, x: &Array) -> Result<Array> {
+        let h = self.norm.forward(p, x)?;
+        let mut out = match &self.head {
+            Head::Tied(e) => e.as_linear(p, &h)?,
+            Head::Linear(l) => l.forward(p, &h)?,
+        };
+        if let Some(c) = self.softcap {
+            let cc = crate::nn::scalar(c, out.dtype())?;
+            out = ops::multiply(ops::tanh(ops::divide(&out, &cc)?)?, &cc)?;
+        }
+        Ok(out)
+    }
 }
 
 /// One layer and its place in the stack.
@@ -48,12 +86,8 @@ pub struct Model {
     pub embed: Embedding,
     /// The layer stack.
     pub layers: Vec<LayerSlot>,
-    /// Final norm.
-    pub norm: RmsNorm,
-    /// Output head.
-    pub head: Head,
-    /// Logit soft-cap.
-    pub softcap: Option<f32>,
+    /// Final norm, head, soft-cap.
+    pub output: OutputHead,
     /// Activation dtype.
     pub dtype: Dtype,
     /// Context limit from the config, if any.
@@ -124,9 +158,16 @@ pub fn gather_state(caches: &[Box<dyn Cache>]) -> Vec<Array> {
         .collect()
 }
 
-/// Writes back what [`gather_state`] gathered and counts `tokens` on the
-/// fixed-size caches.
-pub fn scatter_state(caches: &mut [Box<dyn Cache>], state: Vec<Array>, tokens: usize) -> Result<()> {
+/// Counts `tokens` on the fixed-size caches of one layer (growing caches
+/// count their own writes).
+pub fn advance_fixed(caches: &mut [Box<dyn Cache>], tokens: usize) {
+    for c in caches.iter_mut().filter(|c| !c.grows()) {
+        c.advance(tokens);
+    }
+}
+
+/// Writes back what [`gather_state`] gathered.
+pub fn scatter_state(caches: &mut [Box<dyn Cache>], state: Vec<Array>) -> Result<()> {
     let mut it = state.into_iter();
     for c in caches.iter_mut().filter(|c| !c.grows()) {
         let n = c.state().len();
@@ -135,7 +176,6 @@ pub fn scatter_state(caches: &mut [Box<dyn Cache>], state: Vec<Array>, tokens: u
             return Err(Error::Cache("a layer returned too few state arrays".into()));
         }
         c.set_state(part)?;
-        c.advance(tokens);
     }
     Ok(())
 }
@@ -193,7 +233,7 @@ impl Model {
         }
         let norm = RmsNorm::load(&mut ld, &plan.final_norm, plan.hidden_size, plan.norm_eps)?;
         let head = match &plan.head {
-            HeadPlan::Tied => Head::Tied,
+            HeadPlan::Tied => Head::Tied(embed.clone()),
             HeadPlan::Linear(prefix) => Head::Linear(Linear::load(
                 &mut ld,
                 prefix,
@@ -210,9 +250,11 @@ impl Model {
             params,
             embed,
             layers,
-            norm,
-            head,
-            softcap: plan.logit_softcap,
+            output: OutputHead {
+                norm,
+                head,
+                softcap: plan.logit_softcap,
+            },
             dtype,
             max_context: plan.max_context,
             quantization,
@@ -238,15 +280,6 @@ impl Model {
         self.embed.params()
     }
 
-    /// Weights read by [`Model::logits`].
-    pub fn head_params(&self) -> Vec<ParamId> {
-        let mut v = vec![self.norm.weight];
-        match &self.head {
-            Head::Tied => v.extend(self.embed.params()),
-            Head::Linear(l) => v.extend(l.params()),
-        }
-        v
-    }
 
     /// `tokens` (`[B, T]` int) → hidden states `[B, T, D]`.
     pub fn embed_tokens(&self, p: &Params, tokens: &Array) -> Result<Array> {
@@ -255,16 +288,7 @@ impl Model {
 
     /// Hidden states → logits (final norm, head, soft-cap).
     pub fn logits(&self, p: &Params, x: &Array) -> Result<Array> {
-        let h = self.norm.forward(p, x)?;
-        let mut out = match &self.head {
-            Head::Tied => self.embed.as_linear(p, &h)?,
-            Head::Linear(l) => l.forward(p, &h)?,
-        };
-        if let Some(c) = self.softcap {
-            let cc = crate::nn::scalar(c, out.dtype())?;
-            out = ops::multiply(ops::tanh(ops::divide(&out, &cc)?)?, &cc)?;
-        }
-        Ok(out)
+        self.output.forward(p, x).ctx(|| "output head".into())
     }
 
     /// Runs layer `i` eagerly on `x` with its caches.
@@ -290,7 +314,8 @@ impl Model {
             carry
         };
         let y = layer.tail(p, carry, &mut state).ctx(ctx)?;
-        scatter_state(caches, state, tokens)?;
+        scatter_state(caches, state)?;
+        advance_fixed(caches, tokens);
         Ok(y)
     }
 

@@ -38,7 +38,11 @@ pub struct Linear {
     pub out_features: i32,
 }
 
-fn load_quant(
+/// Loads `{prefix}.weight` packed with `.scales`/`.biases` when
+/// `{prefix}.scales` exists: `rows` leading dimensions (e.g. `[out]`, or
+/// `[experts, out]`), `in_features` unpacked columns. `None` when the
+/// tensor is not quantized.
+pub fn load_quantized(
     ld: &mut WeightLoader,
     prefix: &str,
     rows: &[i32],
@@ -87,7 +91,7 @@ impl Linear {
         out_features: i32,
         bias: bool,
     ) -> Result<Self> {
-        let (weight, quant) = match load_quant(ld, prefix, &[out_features], in_features)? {
+        let (weight, quant) = match load_quantized(ld, prefix, &[out_features], in_features)? {
             Some((w, q)) => (w, Some(q)),
             None => (
                 ld.take(&format!("{prefix}.weight"), &[out_features, in_features])?,
@@ -163,7 +167,7 @@ pub struct Embedding {
 impl Embedding {
     /// Loads `{prefix}.weight` (quantized when `{prefix}.scales` exists).
     pub fn load(ld: &mut WeightLoader, prefix: &str, vocab: i32, dim: i32) -> Result<Self> {
-        let (weight, quant) = match load_quant(ld, prefix, &[vocab], dim)? {
+        let (weight, quant) = match load_quantized(ld, prefix, &[vocab], dim)? {
             Some((w, q)) => (w, Some(q)),
             None => (ld.take(&format!("{prefix}.weight"), &[vocab, dim])?, None),
         };

@@ -38,6 +38,7 @@ pub struct ParamStore {
     arrays: Vec<Array>,
     names: Vec<String>,
     generation: u64,
+    structure: u64,
 }
 
 impl Default for ParamStore {
@@ -49,10 +50,12 @@ impl Default for ParamStore {
 impl ParamStore {
     /// An empty store.
     pub fn new() -> Self {
+        let g = next_generation();
         Self {
             arrays: Vec::new(),
             names: Vec::new(),
-            generation: next_generation(),
+            generation: g,
+            structure: g,
         }
     }
 
@@ -61,6 +64,7 @@ impl ParamStore {
         self.arrays.push(array);
         self.names.push(name.into());
         self.generation = next_generation();
+        self.structure = self.generation;
         ParamId((self.arrays.len() - 1) as u32)
     }
 
@@ -125,6 +129,12 @@ impl ParamStore {
     /// A value that changes whenever the store changes.
     pub fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// A value that changes whenever tensors are added (ids, shapes or
+    /// dtypes change), but not when a value is replaced in place.
+    pub fn structure_generation(&self) -> u64 {
+        self.structure
     }
 
     /// The eager view.

@@ -1,1 +1,86 @@
-//! mlex-models
+//! # mlex-models
+//!
+//! The architectures and layer kinds of mlex. Each architecture is one file
+//! in [`models`] named after its `model_type` and registers itself with
+//! [`mlex_core::register_architecture!`]; each layer kind in [`layers`]
+//! registers with [`mlex_core::register_layer_kind!`]. New hybrids can be
+//! composed from registered kinds in TOML ([`toml_arch`]) without Rust.
+//!
+//! [`registry()`] gives every registered architecture and layer kind plus
+//! the bundled TOML architectures and those named by `$MLEX_ARCH_PATH`;
+//! [`load::load`] finds and loads a model (directory, `.gguf`, or a Hugging
+//! Face repo id in the local cache).
+#![warn(missing_docs)]
+
+pub mod gguf;
+pub mod layers;
+pub mod load;
+pub mod models;
+pub mod toml_arch;
+
+use mlex_core::error::{Error, Result};
+use mlex_core::registry::Registry;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use toml_arch::TomlArchitecture;
+
+/// TOML architectures shipped with mlex (`architectures/*.toml`).
+pub const BUNDLED_TOML: &[(&str, &str)] = &[(
+    "architectures/qwen3_next_2to1.toml",
+    include_str!("../architectures/qwen3_next_2to1.toml"),
+)];
+
+/// Adds the TOML architecture in `text` (from `file`) to `registry`.
+pub fn add_toml_architecture(registry: &mut Registry, text: &str, file: &Path) -> Result<()> {
+    let arch = TomlArchitecture::parse(text, file, registry)?;
+    registry.add_architecture(Arc::new(arch), file.display().to_string())
+}
+
+/// Reads a TOML architecture file (or every `*.toml` in a directory).
+pub fn add_toml_path(registry: &mut Registry, path: &Path) -> Result<()> {
+    let files: Vec<PathBuf> = if path.is_dir() {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+            .map_err(|e| Error::io(path, e))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+            .collect();
+        v.sort();
+        v
+    } else {
+        vec![path.to_owned()]
+    };
+    for f in files {
+        let text = std::fs::read_to_string(&f).map_err(|e| Error::io(&f, e))?;
+        add_toml_architecture(registry, &text, &f)?;
+    }
+    Ok(())
+}
+
+/// Builds a registry: everything registered in linked crates, the bundled
+/// TOML architectures, then `extra` TOML files or directories.
+pub fn build_registry(extra: &[PathBuf]) -> Result<Registry> {
+    let mut r = Registry::from_inventory()?;
+    for (name, text) in BUNDLED_TOML {
+        add_toml_architecture(&mut r, text, Path::new(name))?;
+    }
+    for p in extra {
+        add_toml_path(&mut r, p)?;
+    }
+    Ok(r)
+}
+
+/// The process-wide registry: [`build_registry`] with the paths in
+/// `$MLEX_ARCH_PATH` (separated like `$PATH`).
+pub fn registry() -> Result<&'static Registry> {
+    static REGISTRY: OnceLock<std::result::Result<Registry, String>> = OnceLock::new();
+    REGISTRY
+        .get_or_init(|| {
+            let extra: Vec<PathBuf> = std::env::var_os("MLEX_ARCH_PATH")
+                .map(|v| std::env::split_paths(&v).collect())
+                .unwrap_or_default();
+            build_registry(&extra).map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| Error::Other(e.clone()))
+}

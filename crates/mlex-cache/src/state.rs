@@ -1,0 +1,222 @@
+//! Fixed-size caches: recurrent state and convolution windows.
+//!
+//! These never grow with the sequence, so they pass through compiled decode
+//! segments as plain inputs and outputs. They cannot be trimmed (the state
+//! after token `t` does not reveal the state after `t - 1`); prefix reuse
+//! restores snapshots instead (see [`crate::prompt`]).
+//!
+//! | kind          | arrays                                                     |
+//! |---------------|------------------------------------------------------------|
+//! | `gated_delta` | conv window `[B, K-1, C]`, recurrent state `[B, Hv, Dv, Dk]` (f32) |
+//! | `mamba2`      | conv window `[B, K-1, C]`, SSM state `[B, H, Dh, Ds]` (f32) |
+//! | `conv_window` | one window `[B, K-1, C_i]` per canon position (A, B(q,k,v), C, D) |
+
+use mlex_core::cache::{Cache, CacheTensors};
+use mlex_core::error::{Error, Result};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{ops, Array, Dtype};
+use std::collections::BTreeMap;
+
+/// A cache of fixed-size arrays.
+#[derive(Clone, Debug)]
+pub struct StateCache {
+    kind: &'static str,
+    arrays: Vec<Array>,
+    names: Vec<String>,
+    offset: usize,
+}
+
+/// Shape and dtype of one state array.
+#[derive(Clone, Debug)]
+pub struct StateSpec {
+    /// Name used when saving (`conv`, `state`, `A`, `Bq`, ...).
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<i32>,
+    /// Dtype.
+    pub dtype: Dtype,
+}
+
+impl StateSpec {
+    /// A spec.
+    pub fn new(name: &str, shape: &[i32], dtype: Dtype) -> Self {
+        Self {
+            name: name.to_owned(),
+            shape: shape.to_vec(),
+            dtype,
+        }
+    }
+}
+
+impl StateCache {
+    /// Zero-filled state of the given kind and specs.
+    pub fn zeros(kind: &'static str, specs: &[StateSpec]) -> Result<Self> {
+        let mut arrays = Vec::with_capacity(specs.len());
+        for s in specs {
+            arrays.push(ops::zeros_dtype(&s.shape, s.dtype)?);
+        }
+        Ok(Self {
+            kind,
+            arrays,
+            names: specs.iter().map(|s| s.name.clone()).collect(),
+            offset: 0,
+        })
+    }
+
+    /// Gated DeltaNet: conv window `[B, K-1, C]` (activation dtype) and
+    /// recurrent state `[B, Hv, Dv, Dk]` in float32.
+    pub fn gated_delta(
+        batch: usize,
+        kernel: i32,
+        conv_dim: i32,
+        hv: i32,
+        dv: i32,
+        dk: i32,
+        dtype: Dtype,
+    ) -> Result<Self> {
+        let b = batch as i32;
+        Self::zeros(
+            "gated_delta",
+            &[
+                StateSpec::new("conv", &[b, kernel - 1, conv_dim], dtype),
+                StateSpec::new("state", &[b, hv, dv, dk], Dtype::Float32),
+            ],
+        )
+    }
+
+    /// Mamba2: conv window `[B, K-1, C]` and SSM state `[B, H, Dh, Ds]`
+    /// in float32.
+    pub fn mamba2(
+        batch: usize,
+        kernel: i32,
+        conv_dim: i32,
+        heads: i32,
+        head_dim: i32,
+        state_dim: i32,
+        dtype: Dtype,
+    ) -> Result<Self> {
+        let b = batch as i32;
+        Self::zeros(
+            "mamba2",
+            &[
+                StateSpec::new("conv", &[b, kernel - 1, conv_dim], dtype),
+                StateSpec::new("state", &[b, heads, head_dim, state_dim], Dtype::Float32),
+            ],
+        )
+    }
+
+    /// Convolution windows, one per `(name, channels)`, each `[B, K-1, C]`.
+    pub fn conv_windows(
+        batch: usize,
+        kernel: i32,
+        windows: &[(&str, i32)],
+        dtype: Dtype,
+    ) -> Result<Self> {
+        let specs: Vec<StateSpec> = windows
+            .iter()
+            .map(|(n, c)| StateSpec::new(n, &[batch as i32, kernel - 1, *c], dtype))
+            .collect();
+        Self::zeros("conv_window", &specs)
+    }
+
+    /// Rebuilds a saved cache of `kind`.
+    pub fn from_tensors(kind: &'static str, t: &CacheTensors) -> Result<Self> {
+        let names: Vec<String> = t
+            .meta
+            .get("names")
+            .map(|s| s.split(',').map(str::to_owned).collect())
+            .ok_or_else(|| Error::Cache("saved state cache lacks `names`".into()))?;
+        let arrays = names
+            .iter()
+            .map(|n| {
+                t.arrays
+                    .get(n)
+                    .cloned()
+                    .ok_or_else(|| Error::Cache(format!("saved state cache lacks array `{n}`")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let offset = t
+            .meta
+            .get("offset")
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| Error::Cache("saved state cache lacks `offset`".into()))?;
+        Ok(Self {
+            kind,
+            arrays,
+            names,
+            offset,
+        })
+    }
+}
+
+impl Cache for StateCache {
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+    fn offset(&self) -> usize {
+        self.offset
+    }
+    fn grows(&self) -> bool {
+        false
+    }
+    fn state(&self) -> Vec<Array> {
+        self.arrays.clone()
+    }
+    fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
+        if state.len() != self.arrays.len() {
+            return Err(Error::Cache(format!(
+                "{} cache holds {} arrays, got {}",
+                self.kind,
+                self.arrays.len(),
+                state.len()
+            )));
+        }
+        for (old, new) in self.arrays.iter().zip(&state) {
+            if old.shape() != new.shape() {
+                return Err(Error::Cache(format!(
+                    "{} state shape changed from {:?} to {:?}",
+                    self.kind,
+                    old.shape(),
+                    new.shape()
+                )));
+            }
+        }
+        self.arrays = state;
+        Ok(())
+    }
+    fn advance(&mut self, n: usize) {
+        self.offset += n;
+    }
+    fn nbytes(&self) -> usize {
+        self.arrays.iter().map(Array::nbytes).sum()
+    }
+    fn box_clone(&self) -> Box<dyn Cache> {
+        Box::new(self.clone())
+    }
+    fn to_tensors(&self) -> CacheTensors {
+        CacheTensors {
+            arrays: self
+                .names
+                .iter()
+                .cloned()
+                .zip(self.arrays.iter().cloned())
+                .collect(),
+            meta: BTreeMap::from([
+                ("offset".to_owned(), self.offset.to_string()),
+                ("names".to_owned(), self.names.join(",")),
+            ]),
+        }
+    }
+}
+
+/// One step of a causal convolution window, pure (usable inside compiled
+/// segments): given the window of the last `K-1` inputs `[B, K-1, C]` and
+/// `T` new inputs `[B, T, C]`, returns the padded input the convolution
+/// reads, `[B, K-1+T, C]`, and the new window (its last `K-1` rows).
+pub fn conv_window_step(window: &Array, x: &Array) -> Result<(Array, Array)> {
+    let keep = window.shape()[1];
+    let padded = ops::concatenate(&[window, x], 1)?;
+    let total = padded.shape()[1];
+    let next = padded.try_index((.., (total - keep).., ..))?.contiguous()?;
+    Ok((padded, next))
+}

@@ -1,0 +1,206 @@
+//! Single-token decode through compiled segments.
+//!
+//! One decode step, for a hybrid model:
+//!
+//! ```text
+//! token → [segment 0: embed, layers without growing cache..., head of attention a]
+//!       → eager: RoPE at the cache offset, KV write, SDPA (grow of a)
+//!       → [segment 1: tail of a (o_proj, residual, MLP), ..., head of b]
+//!       → ... → [last segment: ..., final norm, lm_head] → logits
+//! ```
+//!
+//! Each segment is a [`CompiledTrace`] whose inputs are, in order: the carry
+//! from the previous step (the token ids for segment 0), the fixed-size
+//! state of every layer it touches, and every weight it reads. Its outputs
+//! are the new carry and the new state. Weights enter as inputs, so a
+//! weight update is seen by the next call without recompiling; a change of
+//! weight *structure* (another model, quantization) rebuilds the traces.
+
+use crate::schedule::{Phase, Schedule, Step};
+use crate::trace::CompiledTrace;
+use mlex_core::error::{Error, Result};
+use mlex_core::layer::Layer;
+use mlex_core::model::{advance_fixed, gather_state, scatter_state, Model, ModelCache, OutputHead};
+use mlex_core::nn::Embedding;
+use mlex_core::params::{ParamId, Params};
+use mlx_rs::error::Exception;
+use mlx_rs::{ops, Array};
+use std::sync::Arc;
+
+/// What one segment's compiled function needs, owned (no arrays).
+#[derive(Clone)]
+struct SegmentFn {
+    phases: Vec<Phase>,
+    embed: Embedding,
+    output: OutputHead,
+    layers: Vec<(usize, Arc<dyn Layer>)>,
+    /// Per touched layer: how many state arrays.
+    state_counts: Vec<usize>,
+    n_carry: usize,
+    param_ids: Vec<ParamId>,
+    n_params_total: usize,
+}
+
+impl SegmentFn {
+    fn run(&self, inputs: &[Array]) -> std::result::Result<Vec<Array>, Exception> {
+        let n_state: usize = self.state_counts.iter().sum();
+        if inputs.len() != self.n_carry + n_state + self.param_ids.len() {
+            return Err(Exception::custom("compiled segment called with the wrong inputs"));
+        }
+        let mut carry: Vec<Array> = inputs[..self.n_carry].to_vec();
+        let mut states: Vec<Vec<Array>> = Vec::with_capacity(self.state_counts.len());
+        let mut at = self.n_carry;
+        for &n in &self.state_counts {
+            states.push(inputs[at..at + n].to_vec());
+            at += n;
+        }
+        let mut slots: Vec<Option<Array>> = vec![None; self.n_params_total];
+        for (id, a) in self.param_ids.iter().zip(&inputs[at..]) {
+            slots[id.index()] = Some(a.clone());
+        }
+        let p = Params::overlay(&slots);
+        let slot_of = |i: usize| self.layers.iter().position(|(l, _)| *l == i).expect("touched");
+        for phase in &self.phases {
+            match *phase {
+                Phase::Embed => {
+                    carry = vec![self.embed.forward(&p, &carry[0])?];
+                }
+                Phase::Head(i) => {
+                    let k = slot_of(i);
+                    carry = self.layers[k].1.head(&p, &carry[0], &mut states[k])?;
+                }
+                Phase::Tail(i) => {
+                    let k = slot_of(i);
+                    carry = vec![self.layers[k].1.tail(&p, carry, &mut states[k])?];
+                }
+                Phase::Logits => {
+                    carry = vec![self.output.forward(&p, &carry[0])?];
+                }
+            }
+        }
+        let mut out = carry;
+        out.extend(states.into_iter().flatten());
+        Ok(out)
+    }
+}
+
+/// Runs a model's single-token decode step through compiled segments.
+pub struct SegmentedDecoder {
+    schedule: Schedule,
+    traces: Vec<CompiledTrace>,
+}
+
+/// What identifies the weight structure a trace was built for.
+fn structure_key(model: &Model) -> u64 {
+    // The store's generation changes on every structural edit (new
+    // tensors); values set in place keep shapes and flow in as inputs, so
+    // they do not need a new trace. Combine with the tensor count so two
+    // stores never alias.
+    model.params.structure_generation() ^ ((model.params.len() as u64) << 48)
+}
+
+impl SegmentedDecoder {
+    /// The decoder for `model`'s layer plan.
+    pub fn new(model: &Model) -> Self {
+        let grows: Vec<bool> = model.layers.iter().map(|s| s.layer.grows()).collect();
+        let schedule = Schedule::new(&grows);
+        let traces = (0..schedule.num_segments()).map(|_| CompiledTrace::new()).collect();
+        Self { schedule, traces }
+    }
+
+    /// The schedule in use.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// How often each segment has been traced.
+    pub fn times_traced(&self) -> Vec<usize> {
+        self.traces.iter().map(CompiledTrace::times_traced).collect()
+    }
+
+    /// One decode step: `tokens` `[B, 1]` → logits `[B, V]`; updates `cache`.
+    pub fn step(&mut self, model: &Model, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
+        if tokens.ndim() != 2 || tokens.shape()[1] != 1 {
+            return Err(Error::invalid(
+                "tokens",
+                format!("compiled decode takes [B, 1] tokens, got {:?}", tokens.shape()),
+            ));
+        }
+        if cache.layers.len() != model.layers.len() {
+            return Err(Error::Cache("cache does not match the model".into()));
+        }
+        let key = structure_key(model);
+        let eager = model.params.view();
+        let mut carry: Vec<Array> = vec![tokens.clone()];
+        let mut seg = 0;
+        for step in &self.schedule.steps {
+            match step {
+                Step::Grow(i) => {
+                    let layer = &model.layers[*i].layer;
+                    let kv = cache.layers[*i]
+                        .iter_mut()
+                        .find(|c| c.grows())
+                        .ok_or_else(|| Error::Cache(format!("layer {i} has no growing cache")))?;
+                    carry = layer.grow(&eager, carry, kv.as_mut())?;
+                }
+                Step::Segment(phases) => {
+                    let touched = Schedule::layers_of(phases);
+                    let mut inputs = carry.clone();
+                    let mut state_counts = Vec::with_capacity(touched.len());
+                    for &i in &touched {
+                        let s = gather_state(&cache.layers[i]);
+                        state_counts.push(s.len());
+                        inputs.extend(s);
+                    }
+                    let mut param_ids: Vec<ParamId> = Vec::new();
+                    if phases.contains(&Phase::Embed) {
+                        param_ids.extend(model.embed.params());
+                    }
+                    if phases.contains(&Phase::Logits) {
+                        param_ids.extend(model.output.params());
+                    }
+                    for &i in &touched {
+                        param_ids.extend(model.layers[i].layer.params());
+                    }
+                    param_ids.sort();
+                    param_ids.dedup();
+                    inputs.extend(param_ids.iter().map(|id| model.params.get(*id).clone()));
+                    let n_state: usize = state_counts.iter().sum();
+                    let n_carry = carry.len();
+                    let out = self.traces[seg].call(key, &inputs, || {
+                        let f = SegmentFn {
+                            phases: phases.clone(),
+                            embed: model.embed.clone(),
+                            output: model.output.clone(),
+                            layers: touched
+                                .iter()
+                                .map(|&i| (i, model.layers[i].layer.clone()))
+                                .collect(),
+                            state_counts: state_counts.clone(),
+                            n_carry,
+                            param_ids: param_ids.clone(),
+                            n_params_total: model.params.len(),
+                        };
+                        move |args: &[Array]| f.run(args)
+                    })?;
+                    let n_out_carry = out.len() - n_state;
+                    let mut it = out.into_iter();
+                    carry = it.by_ref().take(n_out_carry).collect();
+                    for (&i, &n) in touched.iter().zip(&state_counts) {
+                        let s: Vec<Array> = it.by_ref().take(n).collect();
+                        scatter_state(&mut cache.layers[i], s)?;
+                    }
+                    seg += 1;
+                }
+            }
+        }
+        for caches in cache.layers.iter_mut() {
+            advance_fixed(caches, 1);
+        }
+        let logits = carry
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Other("decode produced no logits".into()))?;
+        Ok(ops::squeeze_axes(&logits, &[1])?)
+    }
+}

@@ -1,0 +1,182 @@
+//! The segment schedule: where the single-token decode graph is cut.
+//!
+//! Generalised from mlx-swift-lm's Qwen3.5 design to any plan of layer
+//! kinds: a growing cache (attention KV) gains a row every token and cannot
+//! be written inside an MLX compiled function, so each growing layer's
+//! cache write (its *grow* phase: RoPE, KV write, SDPA) runs eagerly, and
+//! everything between two grow phases is one compiled segment: the tail of
+//! one growing layer, every non-growing layer in between (recurrent,
+//! MLP-only, MoE), and the head of the next growing layer. The embedding
+//! opens the first segment and the output head closes the last.
+//!
+//! Pure logic, testable without MLX.
+
+/// A pure (compilable) phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Token embedding.
+    Embed,
+    /// Layer `i` up to its growing-cache write (or all of it).
+    Head(usize),
+    /// Layer `i` after its growing-cache write.
+    Tail(usize),
+    /// Final norm and output head.
+    Logits,
+}
+
+/// One step of a decode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// A compiled segment: consecutive pure phases.
+    Segment(Vec<Phase>),
+    /// The eager growing-cache phase of layer `i`.
+    Grow(usize),
+}
+
+/// The decode step of a model, cut into segments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    /// Segments and grow phases in execution order.
+    pub steps: Vec<Step>,
+}
+
+impl Schedule {
+    /// The schedule for layers whose caches grow (`true`) or not.
+    pub fn new(grows: &[bool]) -> Self {
+        let mut steps = Vec::new();
+        let mut current = vec![Phase::Embed];
+        for (i, &g) in grows.iter().enumerate() {
+            current.push(Phase::Head(i));
+            if g {
+                steps.push(Step::Segment(std::mem::take(&mut current)));
+                steps.push(Step::Grow(i));
+            }
+            current.push(Phase::Tail(i));
+        }
+        current.push(Phase::Logits);
+        steps.push(Step::Segment(current));
+        Self { steps }
+    }
+
+    /// The compiled segments, in order.
+    pub fn segments(&self) -> impl Iterator<Item = &[Phase]> {
+        self.steps.iter().filter_map(|s| match s {
+            Step::Segment(p) => Some(p.as_slice()),
+            Step::Grow(_) => None,
+        })
+    }
+
+    /// Number of compiled segments.
+    pub fn num_segments(&self) -> usize {
+        self.segments().count()
+    }
+
+    /// The layers whose phases a segment contains, in order, each once.
+    pub fn layers_of(phases: &[Phase]) -> Vec<usize> {
+        let mut out: Vec<usize> = Vec::new();
+        for p in phases {
+            if let Phase::Head(i) | Phase::Tail(i) = p {
+                if out.last() != Some(i) {
+                    out.push(*i);
+                }
+            }
+        }
+        out
+    }
+
+    /// A compact rendering, e.g. `[E H0 T0 H1] G1 [T1 L]`.
+    pub fn render(&self) -> String {
+        self.steps
+            .iter()
+            .map(|s| match s {
+                Step::Grow(i) => format!("G{i}"),
+                Step::Segment(p) => format!(
+                    "[{}]",
+                    p.iter()
+                        .map(|p| match p {
+                            Phase::Embed => "E".to_owned(),
+                            Phase::Head(i) => format!("H{i}"),
+                            Phase::Tail(i) => format!("T{i}"),
+                            Phase::Logits => "L".to_owned(),
+                        })
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                ),
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn flatten(s: &Schedule) -> Vec<String> {
+        s.steps
+            .iter()
+            .flat_map(|st| match st {
+                Step::Grow(i) => vec![format!("G{i}")],
+                Step::Segment(p) => p.iter().map(|p| format!("{p:?}")).collect(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn attention_only_model_has_one_segment_per_gap() {
+        let s = Schedule::new(&[true, true]);
+        assert_eq!(s.render(), "[E H0] G0 [T0 H1] G1 [T1 L]");
+        assert_eq!(s.num_segments(), 3);
+    }
+
+    #[test]
+    fn model_without_attention_is_one_segment() {
+        let s = Schedule::new(&[false, false, false]);
+        assert_eq!(s.render(), "[E H0 T0 H1 T1 H2 T2 L]");
+        assert_eq!(s.num_segments(), 1);
+    }
+
+    #[test]
+    fn hybrid_qwen35_pattern() {
+        // 3 gated-delta layers then attention, twice.
+        let s = Schedule::new(&[false, false, false, true, false, false, false, true]);
+        assert_eq!(
+            s.render(),
+            "[E H0 T0 H1 T1 H2 T2 H3] G3 [T3 H4 T4 H5 T5 H6 T6 H7] G7 [T7 L]"
+        );
+        assert_eq!(Schedule::layers_of(&[Phase::Tail(3), Phase::Head(4), Phase::Tail(4)]), vec![3, 4]);
+    }
+
+    proptest! {
+        #[test]
+        fn every_phase_once_in_order_and_cuts_exactly_at_growing_layers(
+            grows in proptest::collection::vec(any::<bool>(), 0..40)
+        ) {
+            let s = Schedule::new(&grows);
+            // Every layer's head and tail exactly once, head before tail,
+            // layers in order; a grow between them iff the layer grows.
+            let mut expected = vec!["Embed".to_owned()];
+            for (i, g) in grows.iter().enumerate() {
+                expected.push(format!("Head({i})"));
+                if *g { expected.push(format!("G{i}")); }
+                expected.push(format!("Tail({i})"));
+            }
+            expected.push("Logits".to_owned());
+            prop_assert_eq!(flatten(&s), expected);
+            // Boundaries exactly at growing layers.
+            let cuts: Vec<usize> = s.steps.iter().filter_map(|st| match st {
+                Step::Grow(i) => Some(*i), _ => None }).collect();
+            let growing: Vec<usize> = grows.iter().enumerate().filter(|(_, g)| **g).map(|(i, _)| i).collect();
+            prop_assert_eq!(cuts, growing.clone());
+            // Segments and grows alternate; no empty segment.
+            prop_assert_eq!(s.num_segments(), growing.len() + 1);
+            for (k, st) in s.steps.iter().enumerate() {
+                match st {
+                    Step::Segment(p) => { prop_assert!(!p.is_empty()); prop_assert_eq!(k % 2, 0); }
+                    Step::Grow(_) => prop_assert_eq!(k % 2, 1),
+                }
+            }
+        }
+    }
+}

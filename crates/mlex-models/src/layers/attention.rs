@@ -1,0 +1,568 @@
+//! The `attention` layer kind: pre-norm grouped-query attention with a
+//! growing KV cache, followed (optionally) by a post-norm MLP or MoE.
+//!
+//! Covers llama/qwen2/qwen3 blocks, Qwen3-Next/Qwen3.5 full-attention
+//! layers (output gate, partial rotary, pre-RoPE q/k norms), NemotronH `*`
+//! layers (no RoPE, no MLP), and DharaAR blocks (canon convolutions at A,
+//! B, C, D; q/k norms after RoPE; per-layer RoPE frequencies).
+//!
+//! Phases: `head` = norm, [canon A], projections, [canon B], [q/k norm];
+//! `grow` = RoPE at the cache offset, [q/k norm], KV write, SDPA;
+//! `tail` = [gate], o_proj, residual, norm, [canon C], MLP [canon D],
+//! residual.
+
+use super::canon::Canon;
+use super::ffn::Ffn;
+use super::rope::Rope;
+use super::{ffn_spec, norm_eps};
+use mlex_cache::{KvCache, RotatingKvCache, StateCache};
+use mlex_core::cache::{AttentionMask, Cache};
+use mlex_core::config::parse_value;
+use mlex_core::error::{Error, Result};
+use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
+use mlex_core::nn::{Linear, RmsNorm};
+use mlex_core::params::{ParamId, Params};
+use mlx_rs::fast::ScaledDotProductAttentionMask;
+use mlx_rs::{fast, ops, Array, Dtype};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Where q/k RMS norms apply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    /// No q/k norms.
+    None,
+    /// Before RoPE (Qwen3, Qwen3-Next, Qwen3.5).
+    PreRope,
+    /// After RoPE (DharaAR).
+    PostRope,
+}
+
+fn d_attn() -> String {
+    "self_attn".into()
+}
+fn d_input_norm() -> Option<String> {
+    Some("input_layernorm".into())
+}
+fn d_post_norm() -> Option<String> {
+    Some("post_attention_layernorm".into())
+}
+fn d_mlp() -> String {
+    "swiglu".into()
+}
+fn d_mlp_prefix() -> String {
+    "mlp".into()
+}
+fn d_qk_norm() -> QkNorm {
+    QkNorm::None
+}
+fn d_true() -> bool {
+    true
+}
+fn d_eps_key() -> String {
+    "rms_norm_eps".into()
+}
+
+/// Options of the `attention` kind (all optional; sizes come from config
+/// keys `hidden_size`, `num_attention_heads`, `num_key_value_heads`,
+/// `head_dim`, `intermediate_size`, `rope_theta`, `rope_scaling`,
+/// `partial_rotary_factor`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttentionOptions {
+    /// Attention module name under the layer prefix.
+    #[serde(default = "d_attn")]
+    pub attn: String,
+    /// Input norm name (`null`: none).
+    #[serde(default = "d_input_norm")]
+    pub input_norm: Option<String>,
+    /// Post-attention norm name (`null`: no MLP part).
+    #[serde(default = "d_post_norm")]
+    pub post_norm: Option<String>,
+    /// `swiglu`, `relu2`, `qwen_moe`, `nemotron_moe` or `none`.
+    #[serde(default = "d_mlp")]
+    pub mlp: String,
+    /// MLP module name.
+    #[serde(default = "d_mlp_prefix")]
+    pub mlp_prefix: String,
+    /// Biases on q/k/v projections.
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// Bias on the output projection.
+    #[serde(default)]
+    pub o_bias: bool,
+    /// Biases in the MLP.
+    #[serde(default)]
+    pub mlp_bias: bool,
+    /// q/k norm placement.
+    #[serde(default = "d_qk_norm")]
+    pub qk_norm: QkNorm,
+    /// `q_proj` also yields a sigmoid output gate (Qwen3-Next).
+    #[serde(default)]
+    pub gated: bool,
+    /// Apply RoPE.
+    #[serde(default = "d_true")]
+    pub rope: bool,
+    /// Rotate `pair-wise` (traditional) instead of halves.
+    #[serde(default)]
+    pub rope_traditional: bool,
+    /// Fraction of head dims rotated (default: config `partial_rotary_factor` or 1).
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    /// RoPE base (default: config `rope_theta` or 10000).
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// RoPE scaling object (default: config `rope_scaling`).
+    #[serde(default)]
+    pub rope_scaling: Option<Value>,
+    /// Use the layer's `rotary_emb.inv_freq` tensor when present.
+    #[serde(default)]
+    pub rope_inv_freq: bool,
+    /// Sliding window (rotating cache) size.
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Config key of the norm epsilon.
+    #[serde(default = "d_eps_key")]
+    pub eps_key: String,
+    /// Canon convolutions (DharaAR).
+    #[serde(default)]
+    pub canon: Option<CanonOptions>,
+}
+
+/// Canon settings.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CanonOptions {
+    /// Which positions, e.g. `ABCD`.
+    pub set: String,
+    /// Kernel width.
+    pub kernel: i32,
+    /// `x + f(conv(x))`.
+    pub residual: bool,
+    /// SiLU after the convolution.
+    pub activation: bool,
+}
+
+struct CanonSet {
+    a: Option<Canon>,
+    b: Option<[Canon; 3]>,
+    c: Option<Canon>,
+    d: Option<Canon>,
+}
+
+/// A built attention layer.
+pub struct Attention {
+    input_norm: Option<RmsNorm>,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    qk_norm: QkNorm,
+    gated: bool,
+    rope: Option<Rope>,
+    inv_freq: Option<ParamId>,
+    post_norm: Option<RmsNorm>,
+    ffn: Option<Ffn>,
+    canon: CanonSet,
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    kernel: i32,
+    scale: f32,
+    window: Option<usize>,
+    hidden: i32,
+    intermediate: i32,
+}
+
+/// The registered `attention` kind.
+pub struct AttentionKind;
+
+impl LayerKind for AttentionKind {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+    fn state(&self) -> StateKind {
+        StateKind::Growing
+    }
+    fn summary(&self) -> &'static str {
+        "pre-norm GQA attention with KV cache (+ MLP/MoE); RoPE variants, q/k norms, output gate, sliding window, canon convs"
+    }
+    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>> {
+        let o: AttentionOptions = parse_value(
+            ctx.options,
+            ctx.config.file(),
+            &format!("options of layer {} (attention)", ctx.index),
+        )?;
+        Ok(Box::new(Attention::build(ctx, &o)?))
+    }
+}
+
+impl Attention {
+    fn build(ctx: &mut BuildCtx<'_>, o: &AttentionOptions) -> Result<Self> {
+        let hidden = ctx.cfg_i32("hidden_size")?;
+        let n_heads = ctx.cfg_i32("num_attention_heads")?;
+        let n_kv_heads = ctx.cfg_i32_opt("num_key_value_heads").unwrap_or(n_heads);
+        let head_dim = ctx.cfg_i32_opt("head_dim").unwrap_or(hidden / n_heads);
+        let eps = norm_eps(ctx, &o.eps_key);
+        let cfg = ctx.config.value().clone();
+        let attn_prefix = ctx.path(&o.attn);
+        let a = |n: &str| format!("{attn_prefix}.{n}");
+        let input_norm = match &o.input_norm {
+            Some(n) => Some(RmsNorm::load(ctx.weights, &ctx.path(n), hidden, eps)?),
+            None => None,
+        };
+        let q_out = n_heads * head_dim * if o.gated { 2 } else { 1 };
+        let q_proj = Linear::load(ctx.weights, &a("q_proj"), hidden, q_out, o.qkv_bias)?;
+        let k_proj = Linear::load(ctx.weights, &a("k_proj"), hidden, n_kv_heads * head_dim, o.qkv_bias)?;
+        let v_proj = Linear::load(ctx.weights, &a("v_proj"), hidden, n_kv_heads * head_dim, o.qkv_bias)?;
+        let o_proj = Linear::load(ctx.weights, &a("o_proj"), n_heads * head_dim, hidden, o.o_bias)?;
+        let (q_norm, k_norm) = if o.qk_norm == QkNorm::None {
+            (None, None)
+        } else {
+            (
+                Some(RmsNorm::load(ctx.weights, &a("q_norm"), head_dim, eps)?),
+                Some(RmsNorm::load(ctx.weights, &a("k_norm"), head_dim, eps)?),
+            )
+        };
+        let inv_freq_name = a("rotary_emb.inv_freq");
+        let inv_freq = if o.rope && o.rope_inv_freq && ctx.weights.has(&inv_freq_name) {
+            Some(ctx.weights.take(&inv_freq_name, &[head_dim / 2])?)
+        } else {
+            None
+        };
+        let rope = if o.rope {
+            let partial = o
+                .partial_rotary_factor
+                .or_else(|| cfg.get("partial_rotary_factor").and_then(Value::as_f64))
+                .unwrap_or(1.0);
+            let dims = (head_dim as f64 * partial) as i32;
+            let base = o
+                .rope_theta
+                .or_else(|| cfg.get("rope_theta").and_then(Value::as_f64))
+                .unwrap_or(10000.0) as f32;
+            let scaling = o.rope_scaling.clone().or_else(|| cfg.get("rope_scaling").cloned());
+            Some(Rope::from_scaling(ctx.config, dims, base, o.rope_traditional, scaling.as_ref())?)
+        } else {
+            None
+        };
+        let (post_norm, ffn, intermediate) = match (&o.post_norm, o.mlp.as_str()) {
+            (Some(n), kind) if kind != "none" => {
+                let spec = ffn_spec(ctx, kind, o.mlp_bias)?;
+                let post = RmsNorm::load(ctx.weights, &ctx.path(n), hidden, eps)?;
+                let ffn = Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?;
+                (Some(post), Some(ffn), spec.intermediate)
+            }
+            _ => (None, None, 0),
+        };
+        let mut canon = CanonSet {
+            a: None,
+            b: None,
+            c: None,
+            d: None,
+        };
+        let mut kernel = 0;
+        if let Some(c) = &o.canon {
+            kernel = c.kernel;
+            let load = |ctx: &mut BuildCtx<'_>, name: String, ch: i32| {
+                Canon::load(ctx.weights, &name, ch, c.kernel, c.residual, c.activation)
+            };
+            if c.set.contains('A') {
+                canon.a = Some(load(ctx, ctx.path("canon_a.conv"), hidden)?);
+            }
+            if c.set.contains('B') {
+                canon.b = Some([
+                    load(ctx, a("canon_b_q.conv"), n_heads * head_dim)?,
+                    load(ctx, a("canon_b_k.conv"), n_kv_heads * head_dim)?,
+                    load(ctx, a("canon_b_v.conv"), n_kv_heads * head_dim)?,
+                ]);
+            }
+            if c.set.contains('C') {
+                canon.c = Some(load(ctx, ctx.path("canon_c.conv"), hidden)?);
+            }
+            if c.set.contains('D') {
+                if intermediate == 0 {
+                    return Err(ctx.config.error("canon_set", "canon D needs an MLP"));
+                }
+                canon.d = Some(load(
+                    ctx,
+                    format!("{}.canon_d.conv", ctx.path(&o.mlp_prefix)),
+                    intermediate,
+                )?);
+            }
+        }
+        Ok(Self {
+            input_norm,
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            q_norm,
+            k_norm,
+            qk_norm: o.qk_norm,
+            gated: o.gated,
+            rope,
+            inv_freq,
+            post_norm,
+            ffn,
+            canon,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            kernel,
+            scale: (head_dim as f32).powf(-0.5),
+            window: o.sliding_window,
+            hidden,
+            intermediate,
+        })
+    }
+
+    /// Channel counts of the canon windows, in state order.
+    fn canon_windows(&self) -> Vec<(&'static str, i32)> {
+        let mut w = Vec::new();
+        if self.canon.a.is_some() {
+            w.push(("A", self.hidden));
+        }
+        if self.canon.b.is_some() {
+            w.push(("Bq", self.n_heads * self.head_dim));
+            w.push(("Bk", self.n_kv_heads * self.head_dim));
+            w.push(("Bv", self.n_kv_heads * self.head_dim));
+        }
+        if self.canon.c.is_some() {
+            w.push(("C", self.hidden));
+        }
+        if self.canon.d.is_some() {
+            w.push(("D", self.intermediate));
+        }
+        w
+    }
+
+    fn heads(&self, x: &Array, heads: i32) -> Result<Array> {
+        let s = x.shape();
+        Ok(ops::reshape(x, &[s[0], s[1], heads, self.head_dim])?)
+    }
+
+    fn apply_rope(&self, p: &Params, x: &Array, offset: usize) -> Result<Array> {
+        let Some(rope) = &self.rope else {
+            return Ok(x.clone());
+        };
+        match self.inv_freq {
+            Some(id) => {
+                let freqs = ops::reciprocal(p.get(id)?)?;
+                Ok(fast::rope(x, rope.dims, rope.traditional, None, 1.0, offset as i32, &freqs)?)
+            }
+            None => rope.apply(x, offset),
+        }
+    }
+}
+
+/// Index of the next canon window in the layer's state.
+struct StateCursor(usize);
+
+impl StateCursor {
+    fn canon(&mut self, p: &Params, c: Option<&Canon>, x: Array, state: &mut [Array]) -> Result<Array> {
+        match c {
+            None => Ok(x),
+            Some(c) => {
+                let (y, next) = c.forward(p, &x, &state[self.0])?;
+                state[self.0] = next;
+                self.0 += 1;
+                Ok(y)
+            }
+        }
+    }
+}
+
+impl Layer for Attention {
+    fn kind(&self) -> &str {
+        "attention"
+    }
+
+    fn params(&self) -> Vec<ParamId> {
+        let mut v = Vec::new();
+        if let Some(n) = &self.input_norm {
+            v.push(n.weight);
+        }
+        for l in [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj] {
+            v.extend(l.params());
+        }
+        for n in [&self.q_norm, &self.k_norm, &self.post_norm].into_iter().flatten() {
+            v.push(n.weight);
+        }
+        v.extend(self.inv_freq);
+        if let Some(f) = &self.ffn {
+            v.extend(f.params());
+        }
+        let cs = &self.canon;
+        for c in [&cs.a, &cs.c, &cs.d].into_iter().flatten() {
+            v.extend(c.params());
+        }
+        if let Some(b) = &cs.b {
+            for c in b {
+                v.extend(c.params());
+            }
+        }
+        v
+    }
+
+    fn grows(&self) -> bool {
+        true
+    }
+
+    fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
+        let kv: Box<dyn Cache> = match self.window {
+            Some(w) => Box::new(RotatingKvCache::new(w, 0)),
+            None => Box::new(KvCache::new()),
+        };
+        let mut out = vec![kv];
+        let windows = self.canon_windows();
+        if !windows.is_empty() {
+            out.push(Box::new(StateCache::conv_windows(batch, self.kernel, &windows, dtype)?));
+        }
+        Ok(out)
+    }
+
+    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+        let mut cur = StateCursor(0);
+        let h = match &self.input_norm {
+            Some(n) => n.forward(p, x)?,
+            None => x.clone(),
+        };
+        let h = cur.canon(p, self.canon.a.as_ref(), h, state)?;
+        let mut q = self.q_proj.forward(p, &h)?;
+        let mut k = self.k_proj.forward(p, &h)?;
+        let mut v = self.v_proj.forward(p, &h)?;
+        let mut gate = None;
+        if self.gated {
+            let s = q.shape().to_vec();
+            let both = ops::reshape(&q, &[s[0], s[1], self.n_heads, 2 * self.head_dim])?;
+            let parts = ops::split_equal(&both, 2, -1)?;
+            q = ops::reshape(&parts[0], &[s[0], s[1], self.n_heads * self.head_dim])?;
+            gate = Some(ops::reshape(&parts[1], &[s[0], s[1], self.n_heads * self.head_dim])?);
+        }
+        if let Some([bq, bk, bv]) = &self.canon.b {
+            q = cur.canon(p, Some(bq), q, state)?;
+            k = cur.canon(p, Some(bk), k, state)?;
+            v = cur.canon(p, Some(bv), v, state)?;
+        }
+        let mut q = self.heads(&q, self.n_heads)?;
+        let mut k = self.heads(&k, self.n_kv_heads)?;
+        let v = self.heads(&v, self.n_kv_heads)?;
+        if self.qk_norm == QkNorm::PreRope {
+            q = self.q_norm.as_ref().expect("loaded").forward(p, &q)?;
+            k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;
+        }
+        let t = |a: &Array| -> Result<Array> { Ok(a.transpose_axes(&[0, 2, 1, 3])?) };
+        let mut carry = vec![x.clone(), t(&q)?, t(&k)?, t(&v)?];
+        carry.extend(gate);
+        Ok(carry)
+    }
+
+    fn grow(&self, p: &Params, carry: Carry, cache: &mut dyn Cache) -> Result<Carry> {
+        let mut it = carry.into_iter();
+        let (x, q, k, v) = match (it.next(), it.next(), it.next(), it.next()) {
+            (Some(x), Some(q), Some(k), Some(v)) => (x, q, k, v),
+            _ => return Err(Error::Other("attention carry is incomplete".into())),
+        };
+        let gate = it.next();
+        let kv = cache
+            .as_kv()
+            .ok_or_else(|| Error::Cache("attention needs a KV cache".into()))?;
+        let offset = kv.offset();
+        let mut q = self.apply_rope(p, &q, offset)?;
+        let mut k = self.apply_rope(p, &k, offset)?;
+        if self.qk_norm == QkNorm::PostRope {
+            q = self.q_norm.as_ref().expect("loaded").forward(p, &q)?;
+            k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;
+        }
+        let n = q.shape()[2] as usize;
+        let mask = kv.mask(n)?;
+        let (keys, values) = kv.update_and_fetch(&k, &v)?;
+        let o = match &mask {
+            AttentionMask::None => fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, None, None)?,
+            AttentionMask::Causal => fast::scaled_dot_product_attention(
+                &q,
+                &keys,
+                &values,
+                self.scale,
+                ScaledDotProductAttentionMask::Causal,
+                None,
+            )?,
+            AttentionMask::Array(m) => fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, m, None)?,
+        };
+        let mut out = vec![x, o];
+        out.extend(gate);
+        Ok(out)
+    }
+
+    fn tail(&self, p: &Params, carry: Carry, state: &mut [Array]) -> Result<Array> {
+        let mut it = carry.into_iter();
+        let (x, o) = match (it.next(), it.next()) {
+            (Some(x), Some(o)) => (x, o),
+            _ => return Err(Error::Other("attention carry is incomplete".into())),
+        };
+        let gate = it.next();
+        let s = x.shape().to_vec();
+        let mut o = ops::reshape(o.transpose_axes(&[0, 2, 1, 3])?, &[s[0], s[1], -1])?;
+        if let Some(g) = gate {
+            o = ops::multiply(&o, ops::sigmoid(&g)?)?;
+        }
+        let h = ops::add(&x, self.o_proj.forward(p, &o)?)?;
+        let (Some(post), Some(ffn)) = (&self.post_norm, &self.ffn) else {
+            return Ok(h);
+        };
+        // Canon windows A and B were consumed by `head`.
+        let mut cur = StateCursor(
+            usize::from(self.canon.a.is_some()) + if self.canon.b.is_some() { 3 } else { 0 },
+        );
+        let m = post.forward(p, &h)?;
+        let m = cur.canon(p, self.canon.c.as_ref(), m, state)?;
+        let y = match &self.canon.d {
+            None => ffn.forward(p, &m, None)?,
+            Some(d) => {
+                let mut hook = |inner: Array| cur.canon(p, Some(d), inner, state);
+                ffn.forward(p, &m, Some(&mut hook))?
+            }
+        };
+        Ok(ops::add(&h, &y)?)
+    }
+
+    fn describe(&self) -> String {
+        let mut parts = vec![format!(
+            "attention h={} kv={} d={}",
+            self.n_heads, self.n_kv_heads, self.head_dim
+        )];
+        if self.gated {
+            parts.push("gated".into());
+        }
+        match self.qk_norm {
+            QkNorm::PreRope => parts.push("qk-norm".into()),
+            QkNorm::PostRope => parts.push("qk-norm(post-rope)".into()),
+            QkNorm::None => {}
+        }
+        if let Some(r) = &self.rope {
+            if r.dims != self.head_dim {
+                parts.push(format!("rope {}/{}", r.dims, self.head_dim));
+            }
+        } else {
+            parts.push("no-rope".into());
+        }
+        if let Some(w) = self.window {
+            parts.push(format!("window {w}"));
+        }
+        if self.kernel > 0 {
+            parts.push(format!("canon k={}", self.kernel));
+        }
+        match &self.ffn {
+            Some(Ffn::SwiGlu { .. }) => parts.push("+ swiglu".into()),
+            Some(Ffn::Relu2 { .. }) => parts.push("+ relu2".into()),
+            Some(Ffn::QwenMoe(_)) | Some(Ffn::NemotronMoe(_)) => parts.push("+ moe".into()),
+            None => {}
+        }
+        parts.join(", ")
+    }
+}
+
+mlex_core::register_layer_kind!("attention", AttentionKind);

@@ -1,0 +1,61 @@
+//! Canon layers (Allen-Zhu, *Physics of Language Models, Part 4.1*): a
+//! causal depthwise 1-D convolution over time mixing each channel with its
+//! previous `K - 1` values, optionally followed by SiLU and added back to
+//! its input. DharaAR places them at A (the normed input of attention),
+//! B (q, k, v after projection), C (the normed input of the MLP) and D (the
+//! MLP's inner activation). Their windows are fixed-size state.
+
+use mlex_cache::conv_window_step;
+use mlex_core::error::Result;
+use mlex_core::nn::{silu, DepthwiseConv};
+use mlex_core::params::{ParamId, Params};
+use mlex_core::weights::WeightLoader;
+use mlx_rs::{ops, Array};
+
+/// One canon convolution.
+#[derive(Clone, Debug)]
+pub struct Canon {
+    /// The convolution (`[C, K, 1]` weight, optional bias).
+    pub conv: DepthwiseConv,
+    /// Add the input back.
+    pub residual: bool,
+    /// Apply SiLU to the convolution output.
+    pub activation: bool,
+}
+
+impl Canon {
+    /// Loads `{prefix}.weight` (and `.bias` when present).
+    pub fn load(
+        ld: &mut WeightLoader,
+        prefix: &str,
+        channels: i32,
+        kernel: i32,
+        residual: bool,
+        activation: bool,
+    ) -> Result<Self> {
+        let bias = ld.has(&format!("{prefix}.bias"));
+        Ok(Self {
+            conv: DepthwiseConv::load(ld, prefix, channels, kernel, bias)?,
+            residual,
+            activation,
+        })
+    }
+
+    /// Weights read.
+    pub fn params(&self) -> Vec<ParamId> {
+        self.conv.params()
+    }
+
+    /// `x` `[B, T, C]` with `window` `[B, K-1, C]` → (output, new window).
+    pub fn forward(&self, p: &Params, x: &Array, window: &Array) -> Result<(Array, Array)> {
+        let (padded, next) = conv_window_step(window, x)?;
+        let mut y = self.conv.forward(p, &padded)?;
+        if self.activation {
+            y = silu(&y)?;
+        }
+        if self.residual {
+            y = ops::add(x, &y)?;
+        }
+        Ok((y, next))
+    }
+}

@@ -1,0 +1,357 @@
+//! Feed-forward blocks: SwiGLU and ReLU² MLPs, and mixture-of-experts
+//! (Qwen's softmax top-k with an optional gated shared expert, NemotronH's
+//! sigmoid group routing). Expert weights are stacked `[E, out, in]` and
+//! applied with `gather_mm`/`gather_qmm`, as mlx-lm's `SwitchGLU`/`SwitchMLP`.
+
+use mlex_core::error::{Error, Result};
+use mlex_core::nn::{load_quantized, relu2, swiglu, Linear, Quantized};
+use mlex_core::params::{ParamId, Params};
+use mlex_core::weights::WeightLoader;
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{ops, Array, Dtype};
+
+/// Experts' weights for one projection, `[E, out, in]`, dense or quantized.
+#[derive(Clone, Debug)]
+pub struct SwitchLinear {
+    weight: ParamId,
+    quant: Option<Quantized>,
+}
+
+impl SwitchLinear {
+    /// Loads `{prefix}.weight` of `[experts, out, in]` (or its packed form).
+    pub fn load(ld: &mut WeightLoader, prefix: &str, experts: i32, input: i32, output: i32) -> Result<Self> {
+        match load_quantized(ld, prefix, &[experts, output], input)? {
+            Some((weight, q)) => Ok(Self {
+                weight,
+                quant: Some(q),
+            }),
+            None => Ok(Self {
+                weight: ld.take(&format!("{prefix}.weight"), &[experts, output, input])?,
+                quant: None,
+            }),
+        }
+    }
+
+    fn params(&self) -> Vec<ParamId> {
+        let mut v = vec![self.weight];
+        if let Some(q) = &self.quant {
+            v.push(q.scales);
+            v.push(q.biases);
+        }
+        v
+    }
+
+    /// `x` `[..., 1, in]` with expert `indices` `[..., k]` → `[..., k, 1, out]`.
+    fn forward(&self, p: &Params, x: &Array, indices: &Array) -> Result<Array> {
+        let w = p.get(self.weight)?;
+        Ok(match &self.quant {
+            None => ops::gather_mm(x, w.swap_axes(-1, -2)?, None, indices, false)?,
+            Some(q) => ops::gather_qmm(
+                x,
+                w,
+                p.get(q.scales)?,
+                p.get(q.biases)?,
+                None,
+                indices,
+                true,
+                q.spec.group_size,
+                q.spec.bits,
+                false,
+            )?,
+        })
+    }
+}
+
+/// Qwen-style MoE: softmax router, top-k, SwiGLU experts, optional shared
+/// expert with a sigmoid gate.
+#[derive(Clone, Debug)]
+pub struct QwenMoe {
+    gate: Linear,
+    gate_proj: SwitchLinear,
+    up_proj: SwitchLinear,
+    down_proj: SwitchLinear,
+    top_k: i32,
+    norm_topk_prob: bool,
+    shared: Option<(Box<Ffn>, Linear)>,
+}
+
+/// NemotronH MoE: sigmoid router with score-correction bias and group
+/// selection, ReLU² experts, optional shared experts.
+#[derive(Clone, Debug)]
+pub struct NemotronMoe {
+    gate_weight: ParamId,
+    correction_bias: ParamId,
+    fc1: SwitchLinear,
+    fc2: SwitchLinear,
+    top_k: i32,
+    n_group: i32,
+    topk_group: i32,
+    norm_topk_prob: bool,
+    routed_scaling: f32,
+    shared: Option<Box<Ffn>>,
+}
+
+/// A feed-forward block.
+#[derive(Clone, Debug)]
+pub enum Ffn {
+    /// `down(silu(gate(x)) * up(x))`.
+    SwiGlu {
+        /// Gate projection.
+        gate: Linear,
+        /// Up projection.
+        up: Linear,
+        /// Down projection.
+        down: Linear,
+    },
+    /// `down(relu(up(x))^2)`.
+    Relu2 {
+        /// Up projection.
+        up: Linear,
+        /// Down projection.
+        down: Linear,
+    },
+    /// Qwen MoE.
+    QwenMoe(QwenMoe),
+    /// NemotronH MoE.
+    NemotronMoe(NemotronMoe),
+}
+
+/// Settings for [`Ffn::load`].
+#[derive(Clone, Debug)]
+pub struct FfnSpec {
+    /// `swiglu`, `relu2`, `qwen_moe` or `nemotron_moe`.
+    pub kind: String,
+    /// Residual width.
+    pub hidden: i32,
+    /// MLP inner width.
+    pub intermediate: i32,
+    /// Linear biases.
+    pub bias: bool,
+    /// Experts (MoE).
+    pub experts: i32,
+    /// Experts per token.
+    pub top_k: i32,
+    /// Per-expert inner width.
+    pub moe_intermediate: i32,
+    /// Renormalise the top-k scores.
+    pub norm_topk_prob: bool,
+    /// Shared expert inner width (0: none).
+    pub shared_intermediate: i32,
+    /// NemotronH routing groups.
+    pub n_group: i32,
+    /// NemotronH groups kept.
+    pub topk_group: i32,
+    /// NemotronH routed scaling factor.
+    pub routed_scaling: f32,
+}
+
+impl Ffn {
+    /// Loads the block under `prefix`.
+    pub fn load(ld: &mut WeightLoader, prefix: &str, s: &FfnSpec) -> Result<Self> {
+        let path = |n: &str| format!("{prefix}.{n}");
+        Ok(match s.kind.as_str() {
+            "swiglu" => Ffn::SwiGlu {
+                gate: Linear::load(ld, &path("gate_proj"), s.hidden, s.intermediate, s.bias)?,
+                up: Linear::load(ld, &path("up_proj"), s.hidden, s.intermediate, s.bias)?,
+                down: Linear::load(ld, &path("down_proj"), s.intermediate, s.hidden, s.bias)?,
+            },
+            "relu2" => Ffn::Relu2 {
+                up: Linear::load(ld, &path("up_proj"), s.hidden, s.intermediate, s.bias)?,
+                down: Linear::load(ld, &path("down_proj"), s.intermediate, s.hidden, s.bias)?,
+            },
+            "qwen_moe" => {
+                let e = s.experts;
+                let m = s.moe_intermediate;
+                let shared = if s.shared_intermediate > 0 {
+                    let spec = FfnSpec {
+                        kind: "swiglu".into(),
+                        intermediate: s.shared_intermediate,
+                        ..s.clone()
+                    };
+                    Some((
+                        Box::new(Ffn::load(ld, &path("shared_expert"), &spec)?),
+                        Linear::load(ld, &path("shared_expert_gate"), s.hidden, 1, false)?,
+                    ))
+                } else {
+                    None
+                };
+                Ffn::QwenMoe(QwenMoe {
+                    gate: Linear::load(ld, &path("gate"), s.hidden, e, false)?,
+                    gate_proj: SwitchLinear::load(ld, &path("switch_mlp.gate_proj"), e, s.hidden, m)?,
+                    up_proj: SwitchLinear::load(ld, &path("switch_mlp.up_proj"), e, s.hidden, m)?,
+                    down_proj: SwitchLinear::load(ld, &path("switch_mlp.down_proj"), e, m, s.hidden)?,
+                    top_k: s.top_k,
+                    norm_topk_prob: s.norm_topk_prob,
+                    shared,
+                })
+            }
+            "nemotron_moe" => {
+                let e = s.experts;
+                let m = s.moe_intermediate;
+                let shared = if s.shared_intermediate > 0 {
+                    let spec = FfnSpec {
+                        kind: "relu2".into(),
+                        intermediate: s.shared_intermediate,
+                        ..s.clone()
+                    };
+                    Some(Box::new(Ffn::load(ld, &path("shared_experts"), &spec)?))
+                } else {
+                    None
+                };
+                Ffn::NemotronMoe(NemotronMoe {
+                    gate_weight: ld.take(&path("gate.weight"), &[e, s.hidden])?,
+                    correction_bias: ld.take(&path("gate.e_score_correction_bias"), &[e])?,
+                    fc1: SwitchLinear::load(ld, &path("switch_mlp.fc1"), e, s.hidden, m)?,
+                    fc2: SwitchLinear::load(ld, &path("switch_mlp.fc2"), e, m, s.hidden)?,
+                    top_k: s.top_k,
+                    n_group: s.n_group.max(1),
+                    topk_group: s.topk_group.max(1),
+                    norm_topk_prob: s.norm_topk_prob,
+                    routed_scaling: s.routed_scaling,
+                    shared,
+                })
+            }
+            other => {
+                return Err(Error::Other(format!(
+                    "{prefix}: unknown feed-forward kind `{other}` (swiglu, relu2, qwen_moe, nemotron_moe)"
+                )))
+            }
+        })
+    }
+
+    /// Every weight read.
+    pub fn params(&self) -> Vec<ParamId> {
+        match self {
+            Ffn::SwiGlu { gate, up, down } => [gate.params(), up.params(), down.params()].concat(),
+            Ffn::Relu2 { up, down } => [up.params(), down.params()].concat(),
+            Ffn::QwenMoe(m) => {
+                let mut v = [
+                    m.gate.params(),
+                    m.gate_proj.params(),
+                    m.up_proj.params(),
+                    m.down_proj.params(),
+                ]
+                .concat();
+                if let Some((f, g)) = &m.shared {
+                    v.extend(f.params());
+                    v.extend(g.params());
+                }
+                v
+            }
+            Ffn::NemotronMoe(m) => {
+                let mut v = [vec![m.gate_weight, m.correction_bias], m.fc1.params(), m.fc2.params()].concat();
+                if let Some(f) = &m.shared {
+                    v.extend(f.params());
+                }
+                v
+            }
+        }
+    }
+
+    /// Applies the block. `inner` (if given) transforms the SwiGLU inner
+    /// activation before `down` (DharaAR's canon D position).
+    pub fn forward(
+        &self,
+        p: &Params,
+        x: &Array,
+        inner: Option<&mut dyn FnMut(Array) -> Result<Array>>,
+    ) -> Result<Array> {
+        match self {
+            Ffn::SwiGlu { gate, up, down } => {
+                let mut h = swiglu(&gate.forward(p, x)?, &up.forward(p, x)?)?;
+                if let Some(f) = inner {
+                    h = f(h)?;
+                }
+                down.forward(p, &h)
+            }
+            Ffn::Relu2 { up, down } => down.forward(p, &relu2(&up.forward(p, x)?)?),
+            Ffn::QwenMoe(m) => m.forward(p, x),
+            Ffn::NemotronMoe(m) => m.forward(p, x),
+        }
+    }
+}
+
+/// `x` `[B, L, D]` → `[B, L, 1, 1, D]` for `gather_mm`.
+fn expert_input(x: &Array) -> Result<Array> {
+    let s = x.shape();
+    let mut shape = s[..s.len() - 1].to_vec();
+    shape.extend([1, 1, s[s.len() - 1]]);
+    Ok(ops::reshape(x, &shape)?)
+}
+
+/// Indices of the `k` largest entries of the last axis (any order), as
+/// `argpartition(x, kth=-k)[..., -k:]`.
+fn top_k_indices(x: &Array, k: i32) -> Result<Array> {
+    let n = x.shape()[x.ndim() - 1];
+    let part = ops::argpartition_axis(x, n - k, -1)?;
+    Ok(part.try_index((.., .., (n - k)..))?)
+}
+
+impl QwenMoe {
+    fn forward(&self, p: &Params, x: &Array) -> Result<Array> {
+        let gates = ops::softmax_axis(self.gate.forward(p, x)?, -1, true)?;
+        let inds = top_k_indices(&gates, self.top_k)?;
+        let mut scores = ops::indexing::take_along_axis(&gates, &inds, -1)?;
+        if self.norm_topk_prob {
+            scores = ops::divide(&scores, scores.sum_axis(-1, true)?)?;
+        }
+        let xe = expert_input(x)?;
+        let up = self.up_proj.forward(p, &xe, &inds)?;
+        let gate = self.gate_proj.forward(p, &xe, &inds)?;
+        let y = self.down_proj.forward(p, &swiglu(&gate, &up)?, &inds)?;
+        let y = ops::squeeze_axes(&y, &[-2])?;
+        let dtype = y.dtype();
+        let mut y = ops::multiply(&y, scores.expand_dims(-1)?)?
+            .sum_axis(-2, false)?
+            .as_dtype(dtype)?;
+        if let Some((shared, gate)) = &self.shared {
+            let s = shared.forward(p, x, None)?;
+            let g = ops::sigmoid(gate.forward(p, x)?)?;
+            y = ops::add(&y, ops::multiply(&g, &s)?)?;
+        }
+        Ok(y)
+    }
+}
+
+impl NemotronMoe {
+    fn forward(&self, p: &Params, x: &Array) -> Result<Array> {
+        let gates = ops::matmul(x, p.get(self.gate_weight)?.t())?;
+        let orig = ops::sigmoid(gates.as_dtype(Dtype::Float32)?)?;
+        let mut scores = ops::add(&orig, p.get(self.correction_bias)?)?;
+        if self.n_group > 1 {
+            // Keep the `topk_group` groups with the best two-expert sums.
+            let s = scores.shape().to_vec();
+            let grouped = ops::unflatten(&scores, -1, &[self.n_group, -1])?;
+            let top2 = ops::indexing::topk_axis(&grouped, 2, -1)?.sum_axis(-1, true)?;
+            let k = self.n_group - self.topk_group;
+            let drop = ops::argpartition_axis(&top2, k - 1, -2)?.try_index((.., .., ..k, ..))?;
+            let zeros = ops::zeros_like(&drop)?.as_dtype(grouped.dtype())?;
+            let zeros = ops::broadcast_to(
+                &zeros,
+                &[drop.shape()[0], drop.shape()[1], k, grouped.shape()[3]],
+            )?;
+            let drop = ops::broadcast_to(&drop, zeros.shape())?;
+            let kept = ops::indexing::put_along_axis(&grouped, &drop, &zeros, -2)?;
+            scores = ops::reshape(&kept, &s)?;
+        }
+        let inds = ops::argpartition_axis(ops::negative(&scores)?, self.top_k - 1, -1)?
+            .try_index((.., .., ..self.top_k))?;
+        let mut w = ops::indexing::take_along_axis(&orig, &inds, -1)?;
+        if self.top_k > 1 && self.norm_topk_prob {
+            let denom = ops::add(w.sum_axis(-1, true)?, Array::from_f32(1e-20))?;
+            w = ops::divide(&w, &denom)?;
+        }
+        w = ops::multiply(&w, Array::from_f32(self.routed_scaling))?;
+        let xe = expert_input(x)?;
+        let h = relu2(&self.fc1.forward(p, &xe, &inds)?)?;
+        let y = ops::squeeze_axes(self.fc2.forward(p, &h, &inds)?, &[-2])?;
+        let dtype = y.dtype();
+        let mut y = ops::multiply(&y, w.expand_dims(-1)?)?
+            .sum_axis(-2, false)?
+            .as_dtype(dtype)?;
+        if let Some(shared) = &self.shared {
+            y = ops::add(&y, shared.forward(p, x, None)?)?;
+        }
+        Ok(y)
+    }
+}

@@ -1,0 +1,382 @@
+//! The `gated_delta` layer kind: Gated DeltaNet linear attention
+//! (Yang, Kautz, Hatamizadeh, *Gated Delta Networks*, 2024) as used by
+//! Qwen3-Next and Qwen3.5, followed by a post-norm MLP or MoE. Reference:
+//! mlx-lm `models/qwen3_next.py`, `qwen3_5.py`, `gated_delta.py`.
+//!
+//! Per token `t`, per value head (state `S` of `[Dv, Dk]`, kept in f32):
+//! `S = S * g_t; kv = S k_t; S = S + k_t ⊗ (v_t - kv) * beta_t; y_t = S q_t`,
+//! with `g = exp(-exp(A_log) * softplus(a + dt_bias))`, `beta = sigmoid(b)`,
+//! q/k L2-normalised (q also scaled by `Dk^-1/2`), after a causal depthwise
+//! convolution over the concatenated q, k, v projections.
+//!
+//! State: conv window `[B, K-1, C]` and recurrent state `[B, Hv, Dv, Dk]`;
+//! fixed size, so the whole layer is one pure phase.
+
+use super::ffn::Ffn;
+use super::{ffn_spec, norm_eps};
+use mlex_cache::{conv_window_step, StateCache};
+use mlex_core::cache::Cache;
+use mlex_core::config::parse_value;
+use mlex_core::error::Result;
+use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
+use mlex_core::nn::{silu, softplus, DepthwiseConv, Linear, RmsNorm};
+use mlex_core::params::{ParamId, Params};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{fast, ops, Array, Dtype};
+use serde::Deserialize;
+
+fn d_mixer() -> String {
+    "linear_attn".into()
+}
+fn d_layout() -> String {
+    "qwen3_5".into()
+}
+fn d_input_norm() -> String {
+    "input_layernorm".into()
+}
+fn d_post_norm() -> Option<String> {
+    Some("post_attention_layernorm".into())
+}
+fn d_mlp() -> String {
+    "swiglu".into()
+}
+fn d_mlp_prefix() -> String {
+    "mlp".into()
+}
+
+/// Options of the `gated_delta` kind. Sizes come from config keys
+/// `linear_num_value_heads`, `linear_num_key_heads`, `linear_key_head_dim`,
+/// `linear_value_head_dim`, `linear_conv_kernel_dim`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatedDeltaOptions {
+    /// Mixer module name.
+    #[serde(default = "d_mixer")]
+    pub mixer: String,
+    /// `qwen3_5` (separate in_proj_qkv/z/b/a) or `qwen3_next` (fused
+    /// in_proj_qkvz/ba, grouped per key head).
+    #[serde(default = "d_layout")]
+    pub layout: String,
+    /// Input norm name.
+    #[serde(default = "d_input_norm")]
+    pub input_norm: String,
+    /// Post norm name (`null`: no MLP part).
+    #[serde(default = "d_post_norm")]
+    pub post_norm: Option<String>,
+    /// Feed-forward kind (`swiglu`, `qwen_moe`, `none`).
+    #[serde(default = "d_mlp")]
+    pub mlp: String,
+    /// Feed-forward module name.
+    #[serde(default = "d_mlp_prefix")]
+    pub mlp_prefix: String,
+}
+
+enum Projections {
+    Qwen35 {
+        qkv: Linear,
+        z: Linear,
+        b: Linear,
+        a: Linear,
+    },
+    Qwen3Next {
+        qkvz: Linear,
+        ba: Linear,
+    },
+}
+
+/// A built Gated DeltaNet layer.
+pub struct GatedDelta {
+    input_norm: RmsNorm,
+    proj: Projections,
+    conv: DepthwiseConv,
+    dt_bias: ParamId,
+    a_log: ParamId,
+    norm: RmsNorm,
+    out_proj: Linear,
+    post_norm: Option<RmsNorm>,
+    ffn: Option<Ffn>,
+    nk: i32,
+    nv: i32,
+    dk: i32,
+    dv: i32,
+    kernel: i32,
+}
+
+/// The registered `gated_delta` kind.
+pub struct GatedDeltaKind;
+
+impl LayerKind for GatedDeltaKind {
+    fn name(&self) -> &'static str {
+        "gated_delta"
+    }
+    fn state(&self) -> StateKind {
+        StateKind::Fixed
+    }
+    fn summary(&self) -> &'static str {
+        "pre-norm Gated DeltaNet (Qwen3-Next / Qwen3.5 layouts), conv window + f32 recurrent state (+ MLP/MoE)"
+    }
+    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>> {
+        let o: GatedDeltaOptions = parse_value(
+            ctx.options,
+            ctx.config.file(),
+            &format!("options of layer {} (gated_delta)", ctx.index),
+        )?;
+        let hidden = ctx.cfg_i32("hidden_size")?;
+        let nv = ctx.cfg_i32("linear_num_value_heads")?;
+        let nk = ctx.cfg_i32("linear_num_key_heads")?;
+        let dk = ctx.cfg_i32("linear_key_head_dim")?;
+        let dv = ctx.cfg_i32("linear_value_head_dim")?;
+        let kernel = ctx.cfg_i32("linear_conv_kernel_dim")?;
+        if nv % nk != 0 {
+            return Err(ctx.config.error(
+                "linear_num_value_heads",
+                format!("{nv} value heads are not a multiple of {nk} key heads"),
+            ));
+        }
+        let eps = norm_eps(ctx, "rms_norm_eps");
+        let mixer_prefix = ctx.path(&o.mixer);
+        let m = |n: &str| format!("{mixer_prefix}.{n}");
+        let (key_dim, value_dim) = (nk * dk, nv * dv);
+        let conv_dim = 2 * key_dim + value_dim;
+        let input_norm = RmsNorm::load(ctx.weights, &ctx.path(&o.input_norm), hidden, eps)?;
+        let proj = match o.layout.as_str() {
+            "qwen3_5" => Projections::Qwen35 {
+                qkv: Linear::load(ctx.weights, &m("in_proj_qkv"), hidden, conv_dim, false)?,
+                z: Linear::load(ctx.weights, &m("in_proj_z"), hidden, value_dim, false)?,
+                b: Linear::load(ctx.weights, &m("in_proj_b"), hidden, nv, false)?,
+                a: Linear::load(ctx.weights, &m("in_proj_a"), hidden, nv, false)?,
+            },
+            "qwen3_next" => Projections::Qwen3Next {
+                qkvz: Linear::load(ctx.weights, &m("in_proj_qkvz"), hidden, 2 * key_dim + 2 * value_dim, false)?,
+                ba: Linear::load(ctx.weights, &m("in_proj_ba"), hidden, 2 * nv, false)?,
+            },
+            other => {
+                return Err(ctx.config.error(
+                    "layout",
+                    format!("unknown gated_delta layout `{other}` (qwen3_5, qwen3_next)"),
+                ))
+            }
+        };
+        let conv = DepthwiseConv::load(ctx.weights, &m("conv1d"), conv_dim, kernel, false)?;
+        let dt_bias = ctx.weights.take(&m("dt_bias"), &[nv])?;
+        let a_log = ctx.weights.take(&m("A_log"), &[nv])?;
+        let norm = RmsNorm::load(ctx.weights, &m("norm"), dv, eps)?;
+        let out_proj = Linear::load(ctx.weights, &m("out_proj"), value_dim, hidden, false)?;
+        let (post_norm, ffn) = match (&o.post_norm, o.mlp.as_str()) {
+            (Some(n), kind) if kind != "none" => {
+                let spec = ffn_spec(ctx, kind, false)?;
+                (
+                    Some(RmsNorm::load(ctx.weights, &ctx.path(n), hidden, eps)?),
+                    Some(Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?),
+                )
+            }
+            _ => (None, None),
+        };
+        Ok(Box::new(GatedDelta {
+            input_norm,
+            proj,
+            conv,
+            dt_bias,
+            a_log,
+            norm,
+            out_proj,
+            post_norm,
+            ffn,
+            nk,
+            nv,
+            dk,
+            dv,
+            kernel,
+        }))
+    }
+}
+
+/// One recurrence step: q, k `[B, H, Dk]`, v `[B, H, Dv]`, g, beta `[B, H]`,
+/// state `[B, H, Dv, Dk]` → (y `[B, H, Dv]`, new state).
+fn delta_step(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: &Array) -> Result<(Array, Array)> {
+    let decay = g.expand_dims(-1)?.expand_dims(-1)?;
+    let state = ops::multiply(state, &decay)?;
+    let k_row = k.expand_dims(-2)?;
+    let kv_mem = ops::multiply(&state, &k_row)?.sum_axis(-1, false)?;
+    let delta = ops::multiply(ops::subtract(v, &kv_mem)?, beta.expand_dims(-1)?)?;
+    let state = ops::add(&state, ops::multiply(&k_row, delta.expand_dims(-1)?)?)?;
+    let y = ops::multiply(&state, q.expand_dims(-2)?)?.sum_axis(-1, false)?;
+    Ok((y.as_dtype(q.dtype())?, state))
+}
+
+impl GatedDelta {
+    /// Splits the projections into (qkv `[B,S,C]`, z `[B,S,Hv,Dv]`,
+    /// b `[B,S,Hv]`, a `[B,S,Hv]`).
+    fn project(&self, p: &Params, x: &Array) -> Result<(Array, Array, Array, Array)> {
+        let s = x.shape();
+        let (bsz, len) = (s[0], s[1]);
+        match &self.proj {
+            Projections::Qwen35 { qkv, z, b, a } => Ok((
+                qkv.forward(p, x)?,
+                ops::reshape(z.forward(p, x)?, &[bsz, len, self.nv, self.dv])?,
+                b.forward(p, x)?,
+                a.forward(p, x)?,
+            )),
+            Projections::Qwen3Next { qkvz, ba } => {
+                let (nk, dk, nv, dv) = (self.nk, self.dk, self.nv, self.dv);
+                let r = nv / nk;
+                let mixed = ops::reshape(qkvz.forward(p, x)?, &[bsz, len, nk, -1])?;
+                let parts = ops::split_at_indices(&mixed, &[dk, 2 * dk, 2 * dk + r * dv], -1)?;
+                let mixed_ba = ops::reshape(ba.forward(p, x)?, &[bsz, len, nk, -1])?;
+                let ba_parts = ops::split_at_indices(&mixed_ba, &[r], -1)?;
+                let flat = |a: &Array| ops::reshape(a, &[bsz, len, -1]);
+                let v = ops::reshape(&parts[2], &[bsz, len, -1, dv])?;
+                let qkv = ops::concatenate(&[flat(&parts[0])?, flat(&parts[1])?, flat(&v)?], -1)?;
+                Ok((
+                    qkv,
+                    ops::reshape(&parts[3], &[bsz, len, -1, dv])?,
+                    ops::reshape(&ba_parts[0], &[bsz, len, nv])?,
+                    ops::reshape(&ba_parts[1], &[bsz, len, nv])?,
+                ))
+            }
+        }
+    }
+
+    fn mixer(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Array> {
+        let s = x.shape();
+        let (bsz, len) = (s[0], s[1]);
+        let (qkv, z, b, a) = self.project(p, x)?;
+        let (padded, window) = conv_window_step(&state[0], &qkv)?;
+        state[0] = window;
+        let conv_out = silu(&self.conv.forward(p, &padded)?)?;
+        let (key_dim, nk, nv, dk, dv) = (self.nk * self.dk, self.nk, self.nv, self.dk, self.dv);
+        let parts = ops::split_at_indices(&conv_out, &[key_dim, 2 * key_dim], -1)?;
+        let q = ops::reshape(&parts[0], &[bsz, len, nk, dk])?;
+        let k = ops::reshape(&parts[1], &[bsz, len, nk, dk])?;
+        let v = ops::reshape(&parts[2], &[bsz, len, nv, dv])?;
+        // L2-normalise q and k and fold Dk^-1/2 into q (mlx-lm normalize_qk).
+        let inv = (dk as f64).powf(-0.5);
+        let rms_eps = (1e-6 * inv * inv) as f32;
+        let q = ops::multiply(
+            Array::from_f32((inv * inv) as f32).as_dtype(q.dtype())?,
+            fast::rms_norm(&q, None, rms_eps)?,
+        )?;
+        let k = ops::multiply(
+            Array::from_f32(inv as f32).as_dtype(k.dtype())?,
+            fast::rms_norm(&k, None, rms_eps)?,
+        )?;
+        let beta = ops::sigmoid(&b)?;
+        let a_log = p.get(self.a_log)?.as_dtype(Dtype::Float32)?;
+        let g = ops::exp(ops::multiply(
+            ops::negative(ops::exp(&a_log)?)?,
+            softplus(&ops::add(&a, p.get(self.dt_bias)?)?)?,
+        )?)?;
+        let r = nv / nk;
+        let (q, k) = if r > 1 {
+            (repeat_heads(&q, r)?, repeat_heads(&k, r)?)
+        } else {
+            (q, k)
+        };
+        let mut rec = state[1].clone();
+        let mut ys = Vec::with_capacity(len as usize);
+        for t in 0..len {
+            let at = |x: &Array| -> Result<Array> { Ok(x.try_index((.., t))?) };
+            let (y, next) = delta_step(&at(&q)?, &at(&k)?, &at(&v)?, &at(&g)?, &at(&beta)?, &rec)?;
+            ys.push(y);
+            rec = next;
+        }
+        state[1] = rec;
+        let out = ops::stack(&ys, 1)?;
+        // Gated RMS norm: silu(z) * rms_norm(out), in f32, back to out's dtype.
+        let normed = self.norm.forward(p, &out)?;
+        let gated = ops::multiply(
+            silu(&z.as_dtype(Dtype::Float32)?)?,
+            normed.as_dtype(Dtype::Float32)?,
+        )?
+        .as_dtype(out.dtype())?;
+        self.out_proj
+            .forward(p, &ops::reshape(&gated, &[bsz, len, -1])?)
+    }
+}
+
+/// Repeats each head `r` times along axis -2 (`mx.repeat(x, r, -2)`).
+fn repeat_heads(x: &Array, r: i32) -> Result<Array> {
+    let s = x.shape().to_vec();
+    let e = x.expand_dims(-2)?;
+    let mut target = s.clone();
+    target.insert(s.len() - 1, r);
+    let b = ops::broadcast_to(&e, &target)?;
+    let mut out = s;
+    let n = out.len();
+    out[n - 2] *= r;
+    Ok(ops::reshape(&b, &out)?)
+}
+
+impl Layer for GatedDelta {
+    fn kind(&self) -> &str {
+        "gated_delta"
+    }
+
+    fn params(&self) -> Vec<ParamId> {
+        let mut v = vec![self.input_norm.weight, self.dt_bias, self.a_log, self.norm.weight];
+        match &self.proj {
+            Projections::Qwen35 { qkv, z, b, a } => {
+                for l in [qkv, z, b, a] {
+                    v.extend(l.params());
+                }
+            }
+            Projections::Qwen3Next { qkvz, ba } => {
+                v.extend(qkvz.params());
+                v.extend(ba.params());
+            }
+        }
+        v.extend(self.conv.params());
+        v.extend(self.out_proj.params());
+        if let Some(n) = &self.post_norm {
+            v.push(n.weight);
+        }
+        if let Some(f) = &self.ffn {
+            v.extend(f.params());
+        }
+        v
+    }
+
+    fn grows(&self) -> bool {
+        false
+    }
+
+    fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
+        let conv_dim = 2 * self.nk * self.dk + self.nv * self.dv;
+        Ok(vec![Box::new(StateCache::gated_delta(
+            batch,
+            self.kernel,
+            conv_dim,
+            self.nv,
+            self.dv,
+            self.dk,
+            dtype,
+        )?)])
+    }
+
+    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+        let h = ops::add(x, self.mixer(p, &self.input_norm.forward(p, x)?, state)?)?;
+        let out = match (&self.post_norm, &self.ffn) {
+            (Some(n), Some(f)) => ops::add(&h, f.forward(p, &n.forward(p, &h)?, None)?)?,
+            _ => h,
+        };
+        Ok(vec![out])
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "gated_delta hk={} hv={} dk={} dv={} conv={}{}",
+            self.nk,
+            self.nv,
+            self.dk,
+            self.dv,
+            self.kernel,
+            match &self.ffn {
+                Some(Ffn::QwenMoe(_)) => " + moe",
+                Some(_) => " + mlp",
+                None => "",
+            }
+        )
+    }
+}
+
+mlex_core::register_layer_kind!("gated_delta", GatedDeltaKind);

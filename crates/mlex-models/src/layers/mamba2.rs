@@ -1,0 +1,281 @@
+//! The `mamba2` layer kind: a pre-norm Mamba2 mixer (Dao & Gu, *Transformers
+//! are SSMs*, 2024) as in NemotronH's `M` layers. Reference: mlx-lm
+//! `models/nemotron_h.py` and `models/ssm.py` (`ssm_attn`, the chunked SSD
+//! form that mlx-lm runs on every non-Metal device, also for one token).
+//!
+//! State: conv window `[B, K-1, C]` and SSM state `[B, H, Dh, Ds]` (f32).
+
+use super::norm_eps;
+use mlex_cache::{conv_window_step, StateCache};
+use mlex_core::cache::Cache;
+use mlex_core::config::parse_value;
+use mlex_core::error::Result;
+use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
+use mlex_core::nn::{silu, softplus, swiglu, DepthwiseConv, Linear};
+use mlex_core::params::{ParamId, Params};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{fast, ops, Array, Dtype};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// SSD chunk length (mlx-lm's `step`).
+const CHUNK: i32 = 256;
+
+fn d_norm() -> String {
+    "norm".into()
+}
+fn d_mixer() -> String {
+    "mixer".into()
+}
+fn d_eps_key() -> String {
+    "layer_norm_epsilon".into()
+}
+
+/// Options of the `mamba2` kind. Sizes from config keys `mamba_num_heads`,
+/// `mamba_head_dim`, `ssm_state_size`, `conv_kernel`, `n_groups`,
+/// `use_conv_bias`, `mamba_proj_bias`, `time_step_limit`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mamba2Options {
+    /// Norm name.
+    #[serde(default = "d_norm")]
+    pub norm: String,
+    /// Mixer name.
+    #[serde(default = "d_mixer")]
+    pub mixer: String,
+    /// Config key of the norm epsilon.
+    #[serde(default = "d_eps_key")]
+    pub eps_key: String,
+}
+
+/// A built Mamba2 layer.
+pub struct Mamba2 {
+    norm: ParamId,
+    eps: f32,
+    in_proj: Linear,
+    conv: DepthwiseConv,
+    dt_bias: ParamId,
+    a_log: ParamId,
+    d: ParamId,
+    gate_norm: ParamId,
+    out_proj: Linear,
+    heads: i32,
+    head_dim: i32,
+    state_dim: i32,
+    groups: i32,
+    kernel: i32,
+    dt_limit: (f32, f32),
+}
+
+/// The registered `mamba2` kind.
+pub struct Mamba2Kind;
+
+impl LayerKind for Mamba2Kind {
+    fn name(&self) -> &'static str {
+        "mamba2"
+    }
+    fn state(&self) -> StateKind {
+        StateKind::Fixed
+    }
+    fn summary(&self) -> &'static str {
+        "pre-norm Mamba2 mixer (NemotronH M), conv window + f32 SSM state"
+    }
+    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>> {
+        let o: Mamba2Options = parse_value(
+            ctx.options,
+            ctx.config.file(),
+            &format!("options of layer {} (mamba2)", ctx.index),
+        )?;
+        let hidden = ctx.cfg_i32("hidden_size")?;
+        let heads = ctx.cfg_i32("mamba_num_heads")?;
+        let head_dim = ctx.cfg_i32("mamba_head_dim")?;
+        let state_dim = ctx.cfg_i32("ssm_state_size")?;
+        let kernel = ctx.cfg_i32("conv_kernel")?;
+        let groups = ctx.cfg_i32_opt("n_groups").unwrap_or(1);
+        let eps = norm_eps(ctx, &o.eps_key);
+        let inner = heads * head_dim;
+        let conv_dim = inner + 2 * groups * state_dim;
+        let proj_bias = ctx.cfg_bool_or("mamba_proj_bias", false);
+        let dt_limit = match ctx.config.value().get("time_step_limit") {
+            Some(Value::Array(v)) if v.len() == 2 => (
+                v[0].as_f64().unwrap_or(0.0) as f32,
+                v[1].as_f64().unwrap_or(f64::INFINITY) as f32,
+            ),
+            _ => (0.0, f32::INFINITY),
+        };
+        let mixer_prefix = ctx.path(&o.mixer);
+        let m = |n: &str| format!("{mixer_prefix}.{n}");
+        Ok(Box::new(Mamba2 {
+            norm: ctx.weights.take(&format!("{}.weight", ctx.path(&o.norm)), &[hidden])?,
+            eps,
+            in_proj: Linear::load(ctx.weights, &m("in_proj"), hidden, inner + conv_dim + heads, proj_bias)?,
+            conv: DepthwiseConv::load(
+                ctx.weights,
+                &m("conv1d"),
+                conv_dim,
+                kernel,
+                ctx.cfg_bool_or("use_conv_bias", true),
+            )?,
+            dt_bias: ctx.weights.take(&m("dt_bias"), &[heads])?,
+            a_log: ctx.weights.take(&m("A_log"), &[heads])?,
+            d: ctx.weights.take(&m("D"), &[heads])?,
+            gate_norm: ctx.weights.take(&m("norm.weight"), &[inner])?,
+            out_proj: Linear::load(ctx.weights, &m("out_proj"), inner, hidden, proj_bias)?,
+            heads,
+            head_dim,
+            state_dim,
+            groups,
+            kernel,
+            dt_limit,
+        }))
+    }
+}
+
+/// `segsum(x)` of mlx-lm: `x` `[..., s]` → `[..., s, s]` with
+/// `out[i, j] = sum(x[j+1..=i])` below the diagonal (cumsum of tril(-1)).
+fn segsum(x: &Array) -> Result<Array> {
+    let l = x.shape()[x.ndim() - 1];
+    let mut shape = x.shape().to_vec();
+    shape.push(l);
+    let rep = ops::broadcast_to(x.expand_dims(-1)?, &shape)?;
+    let tri = ops::tril(&rep, -1)?;
+    Ok(tri.cumsum(-2, None, None)?)
+}
+
+impl Mamba2 {
+    /// mlx-lm `ssm_attn`: x `[b, l, h, dh]`, dt `[b, l, h]` (raw),
+    /// B, C `[b, l, g, n]`, state `[b, h, dh, n]`.
+    fn ssm(&self, p: &Params, x: &Array, dt: &Array, bm: &Array, cm: &Array, state: &Array) -> Result<(Array, Array)> {
+        let s = x.shape().to_vec();
+        let (b, l, h, dh) = (s[0], s[1], s[2], s[3]);
+        let (g, n) = (self.groups, self.state_dim);
+        let repeats = h / g;
+        let dt = ops::add(&dt.as_dtype(Dtype::Float32)?, p.get(self.dt_bias)?)?;
+        let dt = ops::clip(softplus(&dt)?, (self.dt_limit.0, self.dt_limit.1))?;
+        let a = ops::negative(ops::exp(p.get(self.a_log)?)?)?.as_dtype(dt.dtype())?;
+        let dta = ops::multiply(&dt, ops::reshape(&a, &[1, 1, -1])?)?;
+        let dtx = ops::multiply(ops::reshape(&dt, &[b, l, h, 1])?, x)?;
+        let mut state = state.clone();
+        let mut ys = Vec::new();
+        let mut start = 0;
+        while start < l {
+            let end = (start + CHUNK).min(l);
+            let cut = |a: &Array| -> Result<Array> { Ok(a.try_index((.., start..end))?) };
+            let (dtx_c, dta_c, b_c, c_c) = (cut(&dtx)?, cut(&dta)?, cut(bm)?, cut(cm)?);
+            let sl = end - start;
+            let bt = b_c.transpose_axes(&[0, 2, 3, 1])?; // [b, g, n, s]
+            let cb = ops::matmul(c_c.swap_axes(1, 2)?, &bt)?; // [b, g, s, s]
+            let cb = repeat_axis1(&cb, repeats)?;
+            let decay = ops::exp(segsum(&dta_c.swap_axes(1, 2)?)?)?; // [b, h, s, s]
+            let sam = ops::tril(ops::multiply(&cb, &decay)?, 0)?;
+            let y = ops::matmul(&sam, dtx_c.swap_axes(1, 2)?)?.swap_axes(1, 2)?; // [b, s, h, dh]
+            let last = decay.try_index((.., .., (sl - 1)..sl, ..))?; // [b, h, 1, s]
+            let last = last.transpose_axes(&[0, 3, 1, 2])?; // [b, s, h, 1]
+            let b_rep = repeat_axis1(&bt, h / g)?.swap_axes(2, 3)?; // [b, h, s, n]
+            let dtxdecay = ops::multiply(&dtx_c, &last)?.swap_axes(1, 2)?.swap_axes(2, 3)?; // [b, h, dh, s]
+            let mut next = ops::matmul(&dtxdecay, &b_rep)?; // [b, h, dh, n]
+            let cum = ops::exp(dta_c.cumsum(-2, None, None)?)?; // [b, s, h]
+            let total = cum.try_index((.., (sl - 1)..sl, ..))?; // [b, 1, h]
+            let total = ops::reshape(&total, &[b, h, 1, 1])?;
+            next = ops::add(&next, ops::multiply(&total, &state)?)?;
+            let c6 = ops::reshape(&c_c, &[b, sl, g, 1, n, 1])?;
+            let st6 = ops::reshape(&state, &[b, 1, g, repeats, dh, n])?;
+            let y_prev = ops::matmul(&st6, &c6)?; // [b, s, g, rep, dh, 1]
+            let y_prev = ops::reshape(&ops::squeeze_axes(&y_prev, &[-1])?, &[b, sl, h, dh])?;
+            let y = ops::add(&y, ops::multiply(cum.expand_dims(-1)?, &y_prev)?)?;
+            ys.push(y.as_dtype(x.dtype())?);
+            state = next;
+            start = end;
+        }
+        let y = if ys.len() == 1 {
+            ys.pop().expect("one chunk")
+        } else {
+            ops::concatenate(&ys, 1)?
+        };
+        let dskip = ops::reshape(p.get(self.d)?.as_dtype(x.dtype())?, &[1, 1, h, 1])?;
+        Ok((ops::add(&y, ops::multiply(x, &dskip)?)?, state))
+    }
+
+    fn mixer(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Array> {
+        let s = x.shape();
+        let (bsz, len) = (s[0], s[1]);
+        let inner = self.heads * self.head_dim;
+        let conv_dim = inner + 2 * self.groups * self.state_dim;
+        let proj = self.in_proj.forward(p, x)?;
+        let parts = ops::split_at_indices(&proj, &[inner, inner + conv_dim], -1)?;
+        let (gate, conv_in, dt) = (&parts[0], &parts[1], &parts[2]);
+        let (padded, window) = conv_window_step(&state[0], conv_in)?;
+        state[0] = window;
+        let conv_out = silu(&self.conv.forward(p, &padded)?)?;
+        let gn = self.groups * self.state_dim;
+        let cs = ops::split_at_indices(&conv_out, &[inner, inner + gn], -1)?;
+        let hs = ops::reshape(&cs[0], &[bsz, len, self.heads, self.head_dim])?;
+        let bm = ops::reshape(&cs[1], &[bsz, len, self.groups, self.state_dim])?;
+        let cm = ops::reshape(&cs[2], &[bsz, len, self.groups, self.state_dim])?;
+        let (y, next) = self.ssm(p, &hs, dt, &bm, &cm, &state[1])?;
+        state[1] = next;
+        let y = ops::reshape(&y, &[bsz, len, inner])?;
+        // Gated, grouped RMS norm (MambaRMSNormGated).
+        let y = swiglu(gate, &y)?;
+        let grouped = ops::unflatten(&y, -1, &[-1, inner / self.groups])?;
+        let normed = fast::rms_norm(&grouped, None, self.eps)?;
+        let normed = ops::multiply(p.get(self.gate_norm)?, normed.flatten(-2, -1)?)?;
+        self.out_proj.forward(p, &normed)
+    }
+}
+
+/// `mx.repeat(x, r, axis=1)` for a 4-D array.
+fn repeat_axis1(x: &Array, r: i32) -> Result<Array> {
+    if r == 1 {
+        return Ok(x.clone());
+    }
+    let s = x.shape().to_vec();
+    let e = x.expand_dims(2)?;
+    let b = ops::broadcast_to(&e, &[s[0], s[1], r, s[2], s[3]])?;
+    Ok(ops::reshape(&b, &[s[0], s[1] * r, s[2], s[3]])?)
+}
+
+impl Layer for Mamba2 {
+    fn kind(&self) -> &str {
+        "mamba2"
+    }
+
+    fn params(&self) -> Vec<ParamId> {
+        let mut v = vec![self.norm, self.dt_bias, self.a_log, self.d, self.gate_norm];
+        v.extend(self.in_proj.params());
+        v.extend(self.conv.params());
+        v.extend(self.out_proj.params());
+        v
+    }
+
+    fn grows(&self) -> bool {
+        false
+    }
+
+    fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
+        let conv_dim = self.heads * self.head_dim + 2 * self.groups * self.state_dim;
+        Ok(vec![Box::new(StateCache::mamba2(
+            batch,
+            self.kernel,
+            conv_dim,
+            self.heads,
+            self.head_dim,
+            self.state_dim,
+            dtype,
+        )?)])
+    }
+
+    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+        let h = fast::rms_norm(x, Some(p.get(self.norm)?), self.eps)?;
+        Ok(vec![ops::add(x, self.mixer(p, &h, state)?)?])
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "mamba2 heads={} dh={} ds={} groups={} conv={}",
+            self.heads, self.head_dim, self.state_dim, self.groups, self.kernel
+        )
+    }
+}
+
+mlex_core::register_layer_kind!("mamba2", Mamba2Kind);

@@ -1,0 +1,224 @@
+//! Finding and loading a model: a directory (`config.json` + safetensors,
+//! one file or shards with `model.safetensors.index.json`), a `.gguf`
+//! file, or a Hugging Face repo id resolved offline from the local cache.
+
+use crate::gguf::{self, GgufTokenizer};
+use mlex_core::config::ModelConfig;
+use mlex_core::error::{Error, Result};
+use mlex_core::model::Model;
+use mlex_core::registry::Registry;
+use mlex_core::weights::WeightMap;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// Where a model comes from.
+#[derive(Clone, Debug)]
+pub enum ModelSource {
+    /// A checkpoint directory.
+    Dir(PathBuf),
+    /// A GGUF file.
+    Gguf(PathBuf),
+}
+
+impl ModelSource {
+    /// The path.
+    pub fn path(&self) -> &Path {
+        match self {
+            ModelSource::Dir(p) | ModelSource::Gguf(p) => p,
+        }
+    }
+}
+
+/// A loaded model with what came beside it.
+pub struct LoadedModel {
+    /// The model.
+    pub model: Model,
+    /// Where it came from.
+    pub source: ModelSource,
+    /// Tokenizer metadata when the model is a GGUF file.
+    pub gguf_tokenizer: Option<GgufTokenizer>,
+    /// Identifies this model's weights layout (for prompt-cache files).
+    pub fingerprint: String,
+}
+
+/// The Hugging Face hub cache directory (`$HF_HUB_CACHE`, `$HF_HOME/hub`,
+/// or `~/.cache/huggingface/hub`).
+pub fn hf_cache_dir() -> PathBuf {
+    if let Some(p) = std::env::var_os("HF_HUB_CACHE") {
+        return PathBuf::from(p);
+    }
+    if let Some(p) = std::env::var_os("HF_HOME") {
+        return PathBuf::from(p).join("hub");
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    PathBuf::from(home).join(".cache/huggingface/hub")
+}
+
+/// Resolves `spec`: an existing directory or `.gguf` file, else a repo id
+/// (`org/name[@revision]`) in the local Hugging Face cache.
+pub fn resolve(spec: &str) -> Result<ModelSource> {
+    let p = Path::new(spec);
+    if p.is_dir() {
+        return Ok(ModelSource::Dir(p.to_owned()));
+    }
+    if p.is_file() {
+        return if p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            Ok(ModelSource::Gguf(p.to_owned()))
+        } else {
+            Err(Error::invalid(
+                "--model",
+                format!("{spec} is a file but not a .gguf; pass a checkpoint directory or a .gguf file"),
+            ))
+        };
+    }
+    let (repo, rev) = spec.split_once('@').unwrap_or((spec, "main"));
+    if repo.split('/').count() == 2 && !repo.starts_with('.') && !repo.starts_with('/') {
+        let root = hf_cache_dir().join(format!("models--{}", repo.replace('/', "--")));
+        let commit = std::fs::read_to_string(root.join("refs").join(rev))
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_else(|_| rev.to_owned());
+        let snap = root.join("snapshots").join(&commit);
+        if snap.join("config.json").is_file() {
+            return Ok(ModelSource::Dir(snap));
+        }
+        if let Some(g) = first_gguf(&snap) {
+            return Ok(ModelSource::Gguf(g));
+        }
+        return Err(Error::invalid(
+            "--model",
+            format!(
+                "`{spec}` is not a directory or file, and the Hugging Face cache has no snapshot of it at {} (downloading is not available offline)",
+                snap.display()
+            ),
+        ));
+    }
+    Err(Error::invalid(
+        "--model",
+        format!("`{spec}` does not exist (expected a directory, a .gguf file or an org/name repo id)"),
+    ))
+}
+
+fn first_gguf(dir: &Path) -> Option<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    v.sort();
+    v.into_iter().next()
+}
+
+/// The safetensors files of a checkpoint directory.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let cfg = ModelConfig::from_file(&index)?;
+        let map = cfg
+            .value()
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| cfg.error("weight_map", "missing or not an object"))?;
+        let mut files: Vec<String> = map.values().filter_map(Value::as_str).map(str::to_owned).collect();
+        files.sort();
+        files.dedup();
+        let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
+        for (f, p) in files.iter().zip(&paths) {
+            if !p.is_file() {
+                return Err(Error::Config {
+                    file: index.clone(),
+                    key: "weight_map".into(),
+                    message: format!("names shard `{f}`, which does not exist"),
+                });
+            }
+        }
+        return Ok(paths);
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .flatten()
+        .map(|e| e.path())
+        // mlx-lm's rule: `model*.safetensors`.
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "safetensors")
+                && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("model"))
+        })
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::MissingTensor {
+            name: "(any weights)".into(),
+            files: vec![dir.join("model*.safetensors")],
+        });
+    }
+    Ok(files)
+}
+
+/// FNV-1a over bytes (a stable, dependency-free fingerprint).
+fn fnv(hash: &mut u64, bytes: &[u8]) {
+    for b in bytes {
+        *hash ^= u64::from(*b);
+        *hash = hash.wrapping_mul(0x100000001b3);
+    }
+}
+
+/// A fingerprint of a model: architecture, config and every tensor's name,
+/// shape and dtype.
+pub fn fingerprint(model: &Model) -> String {
+    let mut h = 0xcbf29ce484222325u64;
+    fnv(&mut h, model.arch.as_bytes());
+    fnv(&mut h, model.config.value().to_string().as_bytes());
+    for (name, a) in model.params.iter() {
+        fnv(&mut h, name.as_bytes());
+        fnv(&mut h, format!("{:?}{:?}", a.shape(), a.dtype()).as_bytes());
+    }
+    format!("{}-{h:016x}", model.arch)
+}
+
+/// Loads the model at `spec` with the architectures of `registry`.
+pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
+    let source = resolve(spec)?;
+    let (config, weights, gguf_tokenizer) = match &source {
+        ModelSource::Dir(dir) => {
+            let cfg_path = dir.join("config.json");
+            if !cfg_path.is_file() {
+                return Err(Error::io(
+                    &cfg_path,
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "no config.json in the model directory"),
+                ));
+            }
+            let config = ModelConfig::from_file(&cfg_path)?;
+            // Check the architecture before reading any weights.
+            let model_type = config.model_type()?.to_owned();
+            registry.architecture(&model_type).map_err(|e| with_file(e, &cfg_path))?;
+            let weights = WeightMap::load_safetensors(&weight_files(dir)?)?;
+            (config, weights, None)
+        }
+        ModelSource::Gguf(path) => {
+            let ck = gguf::load(path)?;
+            (ck.config, ck.weights, Some(ck.tokenizer))
+        }
+    };
+    let arch = registry
+        .architecture(config.model_type()?)
+        .map_err(|e| with_file(e, config.file()))?;
+    let model = Model::build(arch.as_ref(), &config, weights, registry)?;
+    let fingerprint = fingerprint(&model);
+    Ok(LoadedModel {
+        model,
+        source,
+        gguf_tokenizer,
+        fingerprint,
+    })
+}
+
+fn with_file(e: Error, file: &Path) -> Error {
+    match e {
+        Error::UnknownArchitecture { model_type, known, .. } => Error::UnknownArchitecture {
+            model_type,
+            file: Some(file.to_owned()),
+            known,
+        },
+        e => e,
+    }
+}

@@ -1,0 +1,189 @@
+//! Shared helpers of the model tests: fixture discovery and comparisons.
+//!
+//! Fixtures are made by `cargo xtask fixtures` (mlx-lm, the Python
+//! reference, and the NumPy DharaAR reference) into `target/fixtures`
+//! (override with `MLEX_FIXTURES`). When they are missing, a test prints
+//! how to make them and passes only if `MLEX_REQUIRE_FIXTURES` is unset;
+//! `cargo xtask test` sets it, so CI can never skip them.
+#![allow(dead_code)]
+
+use mlex_core::model::{Model, ModelCache};
+use mlx_rs::{Array, Dtype};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// One manifest entry.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Fixture {
+    pub name: String,
+    pub arch: String,
+    pub dtype: String,
+    pub quant: Option<serde_json::Value>,
+    pub layout: String,
+    pub path: String,
+    pub reference: String,
+    #[serde(default)]
+    pub notes: String,
+}
+
+#[derive(Deserialize)]
+struct Manifest {
+    fixtures: Vec<Fixture>,
+}
+
+pub fn fixtures_dir() -> PathBuf {
+    std::env::var_os("MLEX_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures"))
+}
+
+/// All fixtures of both manifests, or `None` (after saying why) when they
+/// have not been generated and that is allowed.
+pub fn fixtures() -> Option<Vec<Fixture>> {
+    let dir = fixtures_dir();
+    let mut all = Vec::new();
+    for m in ["manifest.json", "dhara-manifest.json"] {
+        let path = dir.join(m);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => {
+                let parsed: Manifest = match serde_json::from_str(&text) {
+                    Ok(v) => v,
+                    Err(_) => {
+                        // dhara's manifest is a bare list
+                        let list: Vec<Fixture> = serde_json::from_str(&text)
+                            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                        Manifest { fixtures: list }
+                    }
+                };
+                all.extend(parsed.fixtures);
+            }
+            Err(_) => {
+                let msg = format!(
+                    "fixtures missing: {} (run `cargo xtask fixtures`)",
+                    path.display()
+                );
+                if std::env::var_os("MLEX_REQUIRE_FIXTURES").is_some() {
+                    panic!("{msg}");
+                }
+                eprintln!("SKIPPED: {msg}");
+                return None;
+            }
+        }
+    }
+    Some(all)
+}
+
+/// The fixture called `name`.
+pub fn fixture(name: &str) -> Option<Fixture> {
+    let all = fixtures()?;
+    Some(
+        all.into_iter()
+            .find(|f| f.name == name)
+            .unwrap_or_else(|| panic!("no fixture `{name}` in the manifest")),
+    )
+}
+
+pub fn path_of(f: &Fixture) -> PathBuf {
+    let p = Path::new(&f.path);
+    if p.is_absolute() {
+        p.to_owned()
+    } else {
+        fixtures_dir().join(p)
+    }
+}
+
+/// The reference tensors of a fixture.
+pub struct Reference {
+    pub prompt: Vec<i32>,
+    pub logits_full: Array,
+    pub greedy: Vec<i32>,
+    pub step_logits: Array,
+}
+
+pub fn reference(f: &Fixture) -> Reference {
+    let path = fixtures_dir().join(&f.reference);
+    let t: HashMap<String, Array> = Array::load_safetensors(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let ints = |k: &str| -> Vec<i32> {
+        let a = t[k].as_dtype(Dtype::Int32).unwrap();
+        a.eval().unwrap();
+        a.try_as_slice::<i32>().unwrap().to_vec()
+    };
+    Reference {
+        prompt: ints("prompt"),
+        logits_full: t["logits_full"].as_dtype(Dtype::Float32).unwrap(),
+        greedy: ints("greedy"),
+        step_logits: t["step_logits"].as_dtype(Dtype::Float32).unwrap(),
+    }
+}
+
+pub fn tokens(ids: &[i32]) -> Array {
+    Array::from_slice(ids, &[1, ids.len() as i32])
+}
+
+pub fn to_f32(a: &Array) -> Vec<f32> {
+    let a = a.as_dtype(Dtype::Float32).unwrap();
+    a.eval().unwrap();
+    a.try_as_slice::<f32>().unwrap().to_vec()
+}
+
+/// Max |a - b| and the max |b|.
+pub fn max_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
+    assert_eq!(a.len(), b.len(), "shapes differ");
+    let mut d = 0f32;
+    let mut m = 0f32;
+    for (x, y) in a.iter().zip(b) {
+        d = d.max((x - y).abs());
+        m = m.max(y.abs());
+    }
+    (d, m)
+}
+
+pub fn argmax(row: &[f32]) -> i32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as i32
+}
+
+/// Greedy decode: the prompt in one pass (or in `chunk`-token pieces), then
+/// `n` tokens one at a time; returns tokens and the logits each came from.
+pub fn greedy(model: &Model, prompt: &[i32], n: usize, chunk: Option<usize>) -> (Vec<i32>, Vec<Vec<f32>>) {
+    let mut cache = model.make_cache(1).unwrap();
+    let mut logits = prefill(model, &mut cache, prompt, chunk);
+    let mut out = Vec::new();
+    let mut rows = Vec::new();
+    for _ in 0..n {
+        let row = to_f32(&logits);
+        let t = argmax(&row);
+        out.push(t);
+        rows.push(row);
+        logits = model.forward_last(&tokens(&[t]), &mut cache).unwrap();
+    }
+    (out, rows)
+}
+
+pub fn prefill(model: &Model, cache: &mut ModelCache, prompt: &[i32], chunk: Option<usize>) -> Array {
+    let c = chunk.unwrap_or(prompt.len()).max(1);
+    let mut last = None;
+    for piece in prompt.chunks(c) {
+        last = Some(model.forward_last(&tokens(piece), cache).unwrap());
+    }
+    last.expect("non-empty prompt")
+}
+
+/// Tolerance on logits by fixture dtype/quantization (stated in the
+/// README's parity section).
+pub fn tolerance(f: &Fixture) -> f32 {
+    match (f.dtype.as_str(), f.quant.is_some(), f.layout.as_str()) {
+        (_, _, "gguf") => 2e-2,
+        ("float32", false, _) => 1e-4,
+        ("float32", true, _) => 1e-3,
+        ("float16", _, _) => 2e-2,
+        _ => 5e-2,
+    }
+}

@@ -1,0 +1,100 @@
+//! Parity with the references on every fixture: mlx-lm (every `model_type`
+//! but `dhara_ar`) and the independent NumPy implementation (`dhara_ar`).
+//!
+//! For each fixture: full-forward logits within the dtype's tolerance,
+//! 32 greedy tokens identical, and incremental decode (prompt in one pass
+//! and in chunks) equal to the full forward.
+
+mod common;
+
+use common::*;
+use mlex_models::load::load;
+use mlx_rs::ops::indexing::TryIndexOp;
+
+fn check(f: &Fixture) -> Result<String, String> {
+    let registry = mlex_models::registry().map_err(|e| e.to_string())?;
+    let path = path_of(f);
+    let loaded = load(path.to_str().unwrap(), registry).map_err(|e| format!("load: {e}"))?;
+    let model = &loaded.model;
+    let r = reference(f);
+    let tol = tolerance(f);
+
+    // 1. Full forward (no earlier state) against the reference.
+    let mut cache = model.make_cache(1).map_err(|e| e.to_string())?;
+    let full = model.forward(&tokens(&r.prompt), &mut cache).map_err(|e| e.to_string())?;
+    let (d, m) = max_diff(&to_f32(&full), &to_f32(&r.logits_full));
+    if d > tol * m.max(1.0) {
+        return Err(format!("full-forward logits differ by {d} (max |logit| {m}, tolerance {tol})"));
+    }
+
+    // 2. Greedy tokens with the cache, prompt in one pass.
+    let (toks, rows) = greedy(model, &r.prompt, r.greedy.len(), None);
+    if toks != r.greedy {
+        let first = toks.iter().zip(&r.greedy).position(|(a, b)| a != b).unwrap_or(0);
+        return Err(format!(
+            "greedy tokens differ from step {first}: got {:?}, want {:?}",
+            &toks[first..(first + 4).min(toks.len())],
+            &r.greedy[first..(first + 4).min(r.greedy.len())]
+        ));
+    }
+    let step_ref = to_f32(&r.step_logits);
+    let v = rows[0].len();
+    let mut worst = 0f32;
+    for (i, row) in rows.iter().enumerate() {
+        let (d, m) = max_diff(row, &step_ref[i * v..(i + 1) * v]);
+        worst = worst.max(d / m.max(1.0));
+    }
+    if worst > tol * 4.0 {
+        return Err(format!("decode-step logits differ by {worst} relative (tolerance {})", tol * 4.0));
+    }
+
+    // 3. Incremental decode equals the full forward: logits of the full
+    //    sequence vs the logits each cached step produced.
+    let mut seq = r.prompt.clone();
+    seq.extend(&toks[..toks.len() - 1]);
+    let mut cache = model.make_cache(1).map_err(|e| e.to_string())?;
+    let full = model.forward(&tokens(&seq), &mut cache).map_err(|e| e.to_string())?;
+    let p = r.prompt.len() as i32;
+    let tail = full
+        .try_index((0, (p - 1)..(seq.len() as i32), ..))
+        .map_err(|e| e.to_string())?;
+    let tail = to_f32(&tail);
+    let mut worst = 0f32;
+    for (i, row) in rows.iter().enumerate() {
+        let (d, m) = max_diff(row, &tail[i * v..(i + 1) * v]);
+        worst = worst.max(d / m.max(1.0));
+    }
+    let self_tol = if f.dtype == "float32" && f.quant.is_none() { 1e-4 } else { tol };
+    if worst > self_tol {
+        return Err(format!("incremental decode differs from the full forward by {worst} (tolerance {self_tol})"));
+    }
+
+    // 4. Prompt in chunks gives the same tokens.
+    for chunk in [1usize, 5] {
+        let (ct, _) = greedy(model, &r.prompt, 8, Some(chunk));
+        if ct[..] != toks[..8] {
+            return Err(format!("prefill in chunks of {chunk} changes the tokens: {ct:?} vs {:?}", &toks[..8]));
+        }
+    }
+    Ok(format!("ok (logit diff {d:.2e}, tol {tol})"))
+}
+
+#[test]
+fn every_fixture_matches_its_reference() {
+    let Some(all) = fixtures() else { return };
+    let only = std::env::var("MLEX_ONLY").ok();
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for f in all.iter().filter(|f| only.as_ref().is_none_or(|o| o.split(',').any(|n| n == f.name))) {
+        match check(f) {
+            Ok(msg) => eprintln!("{:<24} {msg}", f.name),
+            Err(e) => {
+                eprintln!("{:<24} FAILED: {e}", f.name);
+                failures.push(format!("{}: {e}", f.name));
+            }
+        }
+        checked += 1;
+    }
+    assert!(checked > 0, "no fixture was checked");
+    assert!(failures.is_empty(), "{} of {checked} fixtures failed:\n{}", failures.len(), failures.join("\n"));
+}

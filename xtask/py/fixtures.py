@@ -1,0 +1,1233 @@
+#!/usr/bin/env python3
+"""Make the parity fixtures of mlex: random-weight checkpoints plus reference
+outputs computed by mlx-lm, the Python reference implementation on MLX.
+
+    python fixtures.py --out DIR [--smollm2-gguf PATH] [--only NAME,...]
+
+Every fixture is a folder DIR/<name>/ holding a checkpoint (config.json and
+safetensors weights, or a .gguf file) and reference.safetensors with
+
+    prompt       int32   [P]      token ids (P = 16 for the random models)
+    logits_full  float32 [P, V]   one forward of the whole prompt, no cache
+    greedy       int32   [32]     greedy tokens decoded with mlx-lm's prompt
+                                  cache, the prompt in one pass (greedy[0] is
+                                  the argmax of the last prompt position)
+    step_logits  float32 [32, V]  the logits each greedy token was taken from
+
+The reference is always computed from a checkpoint read back from disk with
+``mlx_lm.utils.load_model``, so that it goes through mlx-lm's own ``sanitize``
+and quantization loading, never from the in-memory model that wrote it.
+DIR/manifest.json lists the fixtures for the Rust parity tests.
+
+Kinds of fixture:
+  * MLX-community layout (what ``mlx_lm.utils.save_model``/``save_config``
+    write) for llama, qwen2, qwen3, qwen3_next, qwen3_5, nemotron_h in float32,
+    bfloat16 and 4-bit, MoE variants, the other quantization widths and group
+    sizes, per-layer quantization overrides, float16, and a sharded checkpoint;
+  * Hugging Face layout: the inverse of mlx-lm's ``sanitize`` applied to an
+    MLX-layout twin, checked to give the twin's logits;
+  * GGUF: tiny llama files written with the ``gguf`` package (F32, F16, Q8_0,
+    Q4_0, Q4_1), whose reference comes from their dequantized float32 weights;
+  * SmolLM2-135M-Instruct Q4_1 GGUF (with --smollm2-gguf) exported to an
+    MLX-community 4-bit checkpoint, checked by asking it a question.
+
+Everything is seeded, so a rerun writes identical files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib.metadata
+import io
+import json
+import re
+import shutil
+import tempfile
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import gguf
+import jinja2
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import numpy as np
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import (
+    _get_classes,
+    get_total_parameters,
+    load_model,
+    quantize_model,
+    save_config,
+    save_model,
+)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+PROMPT_LEN = 16
+DECODE_STEPS = 32
+PROMPT_SEED = 20240601
+HF_TWIN_TOLERANCE = 1e-5
+
+# --------------------------------------------------------------------------
+# Configurations
+# --------------------------------------------------------------------------
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+)
+
+# Wide enough that every projection's input is a multiple of 128, so that a
+# group size of 128 quantizes all of them.
+WIDE = dict(TINY, hidden_size=128, intermediate_size=256, num_attention_heads=8)
+
+COMMON = dict(rms_norm_eps=1e-6, max_position_embeddings=4096)
+
+TINY_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    norm_topk_prob=True,
+)
+
+LINEAR_ATTENTION = dict(
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+)
+
+
+def llama_config(dims: dict = TINY, *, tie: bool = True) -> dict:
+    return dict(
+        model_type="llama",
+        **dims,
+        **COMMON,
+        rope_theta=10000.0,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=tie,
+    )
+
+
+def qwen2_config() -> dict:
+    dims = {k: v for k, v in TINY.items() if k != "head_dim"}
+    return dict(
+        model_type="qwen2", **dims, **COMMON, rope_theta=1000000.0, tie_word_embeddings=True
+    )
+
+
+def qwen3_config() -> dict:
+    return dict(model_type="qwen3", **TINY, **COMMON, rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+def qwen3_moe_config() -> dict:
+    return dict(
+        model_type="qwen3_moe",
+        **TINY,
+        **COMMON,
+        **TINY_MOE,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    )
+
+
+def qwen3_next_config(*, moe: bool = False) -> dict:
+    cfg = dict(
+        model_type="qwen3_next",
+        **TINY,
+        **COMMON,
+        **LINEAR_ATTENTION,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        num_experts=0,
+        num_experts_per_tok=0,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=0,
+        mlp_only_layers=[],
+        moe_intermediate_size=0,
+        norm_topk_prob=False,
+        tie_word_embeddings=True,
+    )
+    if moe:
+        # Layers 1 and 3 sparse (decoder_sparse_step=2), 0 and 2 dense.
+        cfg.update(TINY_MOE, decoder_sparse_step=2, shared_expert_intermediate_size=64)
+        cfg["tie_word_embeddings"] = False
+    return cfg
+
+
+def qwen3_5_config(*, moe: bool = False) -> dict:
+    text = dict(
+        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
+        **TINY,
+        **COMMON,
+        **LINEAR_ATTENTION,
+        rope_parameters={
+            "type": "default",
+            "mrope_section": [1, 1, 0],
+            "rope_theta": 100000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        tie_word_embeddings=True,
+    )
+    if moe:
+        text.update(TINY_MOE, shared_expert_intermediate_size=64)
+    return dict(
+        model_type="qwen3_5_moe" if moe else "qwen3_5",
+        text_config=text,
+        tie_word_embeddings=True,
+    )
+
+
+def nemotron_h_config(pattern: str = "M-*EM*") -> dict:
+    return dict(
+        model_type="nemotron_h",
+        vocab_size=TINY["vocab_size"],
+        hidden_size=TINY["hidden_size"],
+        intermediate_size=TINY["intermediate_size"],
+        max_position_embeddings=4096,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=False,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        mamba_proj_bias=False,
+        ssm_state_size=16,
+        conv_kernel=4,
+        n_groups=2,
+        mlp_bias=False,
+        layer_norm_epsilon=1e-5,
+        use_bias=False,
+        use_conv_bias=True,
+        hybrid_override_pattern=pattern,
+        num_hidden_layers=len(pattern),
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        moe_shared_expert_intermediate_size=128,
+        tie_word_embeddings=False,
+    )
+
+
+ARCH_CONFIGS: dict[str, Callable[[], dict]] = {
+    "llama": llama_config,
+    "qwen2": qwen2_config,
+    "qwen3": qwen3_config,
+    "qwen3_next": qwen3_next_config,
+    "qwen3_5": qwen3_5_config,
+    "nemotron_h": nemotron_h_config,
+}
+
+
+def text_config(cfg: dict) -> dict:
+    return cfg.get("text_config", cfg)
+
+
+def seed_for(key: str) -> int:
+    """A stable seed from a name, so related fixtures share their weights."""
+    return zlib.crc32(key.encode())
+
+
+# --------------------------------------------------------------------------
+# Random models
+# --------------------------------------------------------------------------
+
+# Small embeddings keep the input token from dominating the residual stream
+# (with tied embeddings that makes greedy decoding repeat one token); the
+# larger final norm then brings the logits back to a spread of a few units.
+EMBED_STD = 0.1
+FINAL_NORM_GAIN = 3.0
+FINAL_NORMS = ("model.norm.weight", "backbone.norm_f.weight")
+
+
+def random_parameters(model: nn.Module, seed: int) -> list[tuple[str, mx.array]]:
+    """Draw every parameter of ``model`` from a seeded numpy RNG (float32).
+
+    Norm weights ~ 1 + 0.1 N(0, 1) (the final norm times FINAL_NORM_GAIN),
+    other 1-D parameters (biases, dt_bias, D, e_score_correction_bias)
+    ~ 0.1 N(0, 1), ``A_log`` ~ U(-1, 1), embeddings ~ EMBED_STD N(0, 1), and
+    every other weight ~ N(0, 1/fan_in) with fan_in its input width (times
+    the kernel size for convolutions), which keeps activations of order one.
+    """
+    rng = np.random.default_rng(seed)
+    drawn = []
+    for name, value in sorted(tree_flatten(model.parameters())):
+        shape = value.shape
+        if name.endswith("A_log"):
+            a = rng.uniform(-1.0, 1.0, shape)
+        elif value.ndim == 1 and "norm" in name:
+            a = 1.0 + 0.1 * rng.standard_normal(shape)
+            if name.endswith(FINAL_NORMS):
+                a *= FINAL_NORM_GAIN
+        elif value.ndim == 1:
+            a = 0.1 * rng.standard_normal(shape)
+        elif name.endswith(("embed_tokens.weight", "embeddings.weight")):
+            a = EMBED_STD * rng.standard_normal(shape)
+        else:
+            fan_in = shape[-1] * (shape[-2] if "conv1d" in name else 1)
+            a = rng.standard_normal(shape) / np.sqrt(fan_in)
+        drawn.append((name, mx.array(a.astype(np.float32))))
+    return drawn
+
+
+def build_model(cfg: dict) -> nn.Module:
+    model_class, args_class = _get_classes(cfg)
+    return model_class(args_class.from_dict(copy.deepcopy(cfg)))
+
+
+def random_model(cfg: dict, seed: int) -> nn.Module:
+    model = build_model(cfg)
+    model.load_weights(random_parameters(model, seed), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def cast_model(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast floating parameters like ``mlx_lm.convert`` does: parameters that
+    the model's ``cast_predicate`` rejects (e.g. ``A_log``) keep their dtype."""
+    should_cast = getattr(model, "cast_predicate", lambda _: True)
+
+    def cast(path, value):
+        if should_cast(path) and mx.issubdtype(value.dtype, mx.floating):
+            return value.astype(dtype)
+        return value
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+    mx.eval(model.parameters())
+
+
+def quantize(model: nn.Module, cfg: dict, bits: int, group_size: int, predicate=None):
+    """``mlx_lm.utils.quantize_model``, without its progress print."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return quantize_model(model, cfg, group_size, bits, quant_predicate=predicate)
+
+
+def save_sharded(path: Path, model: nn.Module, n_shards: int) -> None:
+    """Write the weights as ``save_model`` does for a model over its shard
+    size: model-0000i-of-0000N.safetensors plus model.safetensors.index.json."""
+    weights = dict(tree_flatten(model.parameters()))
+    names = list(weights)
+    bounds = np.linspace(0, len(names), n_shards + 1).astype(int)
+    weight_map = {}
+    for i in range(n_shards):
+        shard_name = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        shard = {k: weights[k] for k in names[bounds[i] : bounds[i + 1]]}
+        mx.save_safetensors(str(path / shard_name), shard, metadata={"format": "mlx"})
+        weight_map.update({k: shard_name for k in shard})
+    index = {
+        "metadata": {
+            "total_size": sum(v.nbytes for v in weights.values()),
+            "total_parameters": get_total_parameters(model),
+        },
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    with open(path / "model.safetensors.index.json", "w") as f:
+        json.dump(index, f, indent=4)
+
+
+def reset_dir(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def load_weight_files(path: Path) -> dict[str, mx.array]:
+    weights = {}
+    for f in sorted(path.glob("model*.safetensors")):
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+# --------------------------------------------------------------------------
+# Reference outputs
+# --------------------------------------------------------------------------
+
+
+def random_prompt(vocab_size: int) -> np.ndarray:
+    rng = np.random.default_rng(PROMPT_SEED)
+    return rng.integers(0, vocab_size, size=PROMPT_LEN).astype(np.int32)
+
+
+def run_reference(model: nn.Module, prompt: np.ndarray) -> dict[str, mx.array]:
+    """One uncached forward of the prompt, then greedy decoding with the cache."""
+    x = mx.array(prompt)[None]
+    logits_full = model(x)[0].astype(mx.float32)
+    mx.eval(logits_full)
+
+    cache = make_prompt_cache(model)
+    logits = model(x, cache=cache)[0, -1].astype(mx.float32)
+    tokens, steps = [], []
+    for i in range(DECODE_STEPS):
+        token = mx.argmax(logits)
+        mx.eval(token, logits)
+        tokens.append(token.item())
+        steps.append(logits)
+        if i + 1 < DECODE_STEPS:
+            logits = model(token.reshape(1, 1), cache=cache)[0, -1].astype(mx.float32)
+    return {
+        "prompt": mx.array(prompt, dtype=mx.int32),
+        "logits_full": logits_full,
+        "greedy": mx.array(tokens, dtype=mx.int32),
+        "step_logits": mx.stack(steps),
+    }
+
+
+def write_reference(model_dir: Path, prompt: np.ndarray, out: Path) -> dict[str, mx.array]:
+    """Load ``model_dir`` with mlx-lm, run the reference, save it to ``out``."""
+    model, _ = load_model(model_dir)
+    ref = run_reference(model, prompt)
+    greedy = ref["greedy"].tolist()
+    if len(set(greedy)) < 2:
+        raise RuntimeError(f"{model_dir}: degenerate greedy decode {greedy}")
+    # On the CPU the cached prompt pass reproduces the uncached one bitwise.
+    if not mx.array_equal(ref["logits_full"][-1], ref["step_logits"][0]).item():
+        raise RuntimeError(f"{model_dir}: cached and uncached prompt logits differ")
+    mx.save_safetensors(str(out), ref)
+    return ref
+
+
+def greedy_margin(ref: dict[str, mx.array]) -> float:
+    """The smallest gap between the best and second-best logit over the
+    greedy steps: numeric noise above it may change the greedy tokens."""
+    top2 = mx.sort(ref["step_logits"], axis=-1)[:, -2:]
+    return float(f"{(top2[:, 1] - top2[:, 0]).min().item():.3g}")
+
+
+def summarize(name: str, params: int, ref: dict[str, mx.array]) -> None:
+    greedy = ref["greedy"].tolist()
+    print(
+        f"{name:<22} params={params:>9,}  P={ref['prompt'].size:<3} "
+        f"distinct={len(set(greedy)):>2}  margin={greedy_margin(ref):<7} greedy={greedy[:8]}",
+        flush=True,
+    )
+
+
+def manifest_entry(
+    name: str,
+    arch: str,
+    dtype: str,
+    quant: Optional[dict],
+    layout: str,
+    path: str,
+    notes: str,
+    reference: Optional[str] = None,
+    **extra,
+) -> dict:
+    return dict(
+        name=name,
+        arch=arch,
+        dtype=dtype,
+        quant=quant,
+        layout=layout,
+        path=path,
+        reference=reference or f"{name}/reference.safetensors",
+        notes=notes,
+        **extra,
+    )
+
+
+def reference_facts(ref: dict[str, mx.array]) -> dict:
+    """Manifest keys describing a reference: ``greedy_margin``."""
+    return {"greedy_margin": greedy_margin(ref)}
+
+
+# --------------------------------------------------------------------------
+# MLX-layout fixtures
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class MlxSpec:
+    """A random checkpoint in the MLX-community layout."""
+
+    name: str
+    config: Callable[[], dict]
+    weights_key: str  # fixtures with the same key share their float32 weights
+    dtype: str = "float32"
+    bits: Optional[int] = None
+    group_size: int = 64
+    predicate: Optional[Callable] = None
+    shards: int = 1
+    notes: str = ""
+    post_quant_config: Optional[Callable[[dict], None]] = None
+
+
+def make_mlx_fixture(out: Path, spec: MlxSpec) -> dict:
+    cfg = spec.config()
+    model = random_model(cfg, seed_for(spec.weights_key))
+    params = get_total_parameters(model)
+    if spec.dtype != "float32":
+        cast_model(model, getattr(mx, spec.dtype))
+    quant = None
+    if spec.bits is not None:
+        model, cfg = quantize(model, cfg, spec.bits, spec.group_size, spec.predicate)
+        if spec.post_quant_config is not None:
+            spec.post_quant_config(cfg)
+        quant = {"bits": spec.bits, "group_size": spec.group_size}
+
+    path = reset_dir(out / spec.name)
+    if spec.shards > 1:
+        save_sharded(path, model, spec.shards)
+    else:
+        save_model(path, model)
+    save_config(cfg, path / "config.json")
+
+    prompt = random_prompt(text_config(cfg)["vocab_size"])
+    ref = write_reference(path, prompt, path / "reference.safetensors")
+    summarize(spec.name, params, ref)
+    return manifest_entry(
+        spec.name, cfg["model_type"], spec.dtype, quant, "mlx", spec.name, spec.notes, **reference_facts(ref)
+    )
+
+
+def mixed_quant_predicate(path: str, module: nn.Module):
+    """Per-layer overrides: layer 1's MLP at 8 bits, layer 2's q_proj at group
+    32, lm_head and layer 0's v_proj left unquantized."""
+    if path in ("lm_head", "model.layers.0.self_attn.v_proj"):
+        return False
+    if path.startswith("model.layers.1.mlp."):
+        return {"group_size": 64, "bits": 8}
+    if path == "model.layers.2.self_attn.q_proj":
+        return {"group_size": 32, "bits": 4}
+    return True
+
+
+def record_unquantized_lm_head(cfg: dict) -> None:
+    """quantize_model records only dict overrides; write ``lm_head: false``
+    explicitly (load_model honours it). Layer 0's v_proj is left unrecorded:
+    load_model also skips layers without ``.scales``."""
+    cfg["quantization"]["lm_head"] = False
+
+
+def mlx_specs() -> list[MlxSpec]:
+    specs = []
+    for arch, config in ARCH_CONFIGS.items():
+        bf16 = MlxSpec(f"{arch}-bf16", config, arch, dtype="bfloat16")
+        if arch == "nemotron_h":
+            # MLX's CPU GatherMM (unquantized SwitchMLP experts) runs only in
+            # float32, so mlx-lm cannot run a bfloat16 MoE layer on the CPU.
+            bf16 = MlxSpec(
+                "nemotron_h-bf16",
+                lambda: nemotron_h_config("M-*-M*"),
+                "nemotron_h_dense",
+                dtype="bfloat16",
+                notes="pattern M-*-M* (no E layer): MLX's CPU gather_mm supports only float32",
+            )
+        specs += [
+            MlxSpec(f"{arch}-f32", config, arch),
+            bf16,
+            MlxSpec(
+                f"{arch}-q4",
+                config,
+                arch,
+                dtype="bfloat16",
+                bits=4,
+                notes="4-bit affine, group 64, quantized from the bfloat16 model: scales, biases and "
+                "unquantized tensors are bfloat16 except those the model's cast_predicate keeps float32",
+            ),
+        ]
+
+    specs += [
+        MlxSpec("qwen3_moe-f32", qwen3_moe_config, "qwen3_moe", notes="4 experts top-2; layer 0 dense (mlp_only_layers)"),
+        MlxSpec(
+            "qwen3_moe-q4",
+            qwen3_moe_config,
+            "qwen3_moe",
+            bits=4,
+            notes="from float32; router mlp.gate at 8 bits (model quant_predicate)",
+        ),
+        MlxSpec(
+            "qwen3_5_moe-f32",
+            lambda: qwen3_5_config(moe=True),
+            "qwen3_5_moe",
+            notes="4 experts top-2 + shared expert in every layer",
+        ),
+        MlxSpec(
+            "qwen3_next-moe-f32",
+            lambda: qwen3_next_config(moe=True),
+            "qwen3_next_moe",
+            notes="4 experts top-2 + shared expert; decoder_sparse_step=2 (layers 1,3 sparse)",
+        ),
+    ]
+
+    llama = "llama"
+    for bits in (2, 3, 5, 6, 8):
+        specs.append(
+            MlxSpec(f"llama-q{bits}", llama_config, llama, bits=bits, notes=f"{bits}-bit affine, group 64, from float32")
+        )
+    def wide():
+        return llama_config(WIDE)
+
+    specs += [
+        MlxSpec("llama-q4-g32", wide, "llama_wide", bits=4, group_size=32, notes="hidden 128; 4-bit group 32 from float32"),
+        MlxSpec("llama-q4-g128", wide, "llama_wide", bits=4, group_size=128, notes="hidden 128; 4-bit group 128 from float32"),
+        MlxSpec(
+            "llama-mixed",
+            lambda: llama_config(tie=False),
+            "llama_untied",
+            bits=4,
+            predicate=mixed_quant_predicate,
+            post_quant_config=record_unquantized_lm_head,
+            notes="4-bit group 64 default with per-layer overrides in config quantization: "
+            "model.layers.1.mlp.* 8-bit, model.layers.2.self_attn.q_proj group 32, "
+            "lm_head false (recorded), model.layers.0.self_attn.v_proj unquantized (not recorded, no .scales)",
+        ),
+        MlxSpec("llama-f16", llama_config, llama, dtype="float16"),
+        MlxSpec("llama-f32-sharded", llama_config, llama, shards=3, notes="llama-f32's weights in 3 shards"),
+    ]
+    return specs
+
+
+# --------------------------------------------------------------------------
+# Hugging Face layout fixtures: the inverse of mlx-lm's sanitize
+# --------------------------------------------------------------------------
+
+# Norm weights that Qwen3-Next / Qwen3.5 checkpoints store as (w - 1).
+QWEN_OFFSET_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+
+
+def conv_to_torch(w: mx.array) -> mx.array:
+    """MLX depthwise conv1d weight [C, K, 1] -> PyTorch [C, 1, K]."""
+    return w.moveaxis(1, 2)
+
+
+def unstack_experts(weights: dict, prefix: str, names: dict[str, str]) -> None:
+    """Split stacked ``{prefix}.switch_mlp.<mlx>.weight`` [E, ...] into
+    per-expert ``{prefix}.experts.<e>.<hf>.weight``."""
+    for mlx_name, hf_name in names.items():
+        stacked = weights.pop(f"{prefix}.switch_mlp.{mlx_name}.weight")
+        for e in range(stacked.shape[0]):
+            weights[f"{prefix}.experts.{e}.{hf_name}.weight"] = stacked[e]
+
+
+def mtp_tensors(rng: np.random.Generator, hidden: int) -> dict[str, mx.array]:
+    """A few multi-token-prediction tensors, which sanitize must drop."""
+    return {
+        "mtp.fc.weight": mx.array(rng.standard_normal((hidden, 2 * hidden)).astype(np.float32)),
+        "mtp.norm.weight": mx.array(rng.standard_normal(hidden).astype(np.float32)),
+    }
+
+
+def hf_llama(weights: dict, cfg: dict, rng) -> dict:
+    out = dict(weights)
+    head_dim = cfg["head_dim"]
+    inv_freq = 1.0 / (cfg["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim))
+    for i in range(cfg["num_hidden_layers"]):
+        out[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = mx.array(inv_freq.astype(np.float32))
+    out["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return out
+
+
+def qwen_hf_tensor(key: str, value: mx.array) -> mx.array:
+    """How Qwen3-Next / Qwen3.5 HF checkpoints store an MLX tensor: conv1d
+    in PyTorch order, the RMSNorms of QWEN_OFFSET_NORMS as (w - 1)."""
+    if "conv1d.weight" in key:
+        return conv_to_torch(value)
+    if key.endswith(QWEN_OFFSET_NORMS) and value.ndim == 1:
+        return value - 1.0
+    return value
+
+
+def hf_qwen3_5(weights: dict, cfg: dict, rng) -> dict:
+    out = {
+        k.replace("language_model.model.", "model.language_model.", 1): qwen_hf_tensor(k, v)
+        for k, v in weights.items()
+    }
+    out.update(mtp_tensors(rng, text_config(cfg)["hidden_size"]))
+    out["model.visual.patch_embed.proj.weight"] = mx.zeros((8, 3, 2, 2))
+    return out
+
+
+def hf_nemotron_h(weights: dict, cfg: dict, rng) -> dict:
+    out = {k: conv_to_torch(v) if "conv1d.weight" in k else v for k, v in weights.items()}
+    for i, block in enumerate(cfg["hybrid_override_pattern"]):
+        if block == "E":
+            unstack_experts(out, f"backbone.layers.{i}.mixer", {"fc1": "up_proj", "fc2": "down_proj"})
+    out.update(mtp_tensors(rng, cfg["hidden_size"]))
+    return out
+
+
+def hf_qwen3_next(weights: dict, cfg: dict, rng) -> dict:
+    out = {k: qwen_hf_tensor(k, v) for k, v in weights.items()}
+    for i in range(cfg["num_hidden_layers"]):
+        if f"model.layers.{i}.mlp.switch_mlp.up_proj.weight" in out:
+            unstack_experts(
+                out,
+                f"model.layers.{i}.mlp",
+                {n: n for n in ("gate_proj", "up_proj", "down_proj")},
+            )
+    out.update(mtp_tensors(rng, cfg["hidden_size"]))
+    return out
+
+
+@dataclass
+class HfSpec:
+    name: str
+    twin: str
+    to_hf: Callable[[dict, dict, np.random.Generator], dict]
+    architecture: str
+    notes: str
+
+
+HF_SPECS = [
+    HfSpec(
+        "llama-hf",
+        "llama-f32",
+        hf_llama,
+        "LlamaForCausalLM",
+        "llama-f32 in HF layout: extra self_attn.rotary_emb.inv_freq per layer, tied lm_head.weight present",
+    ),
+    HfSpec(
+        "qwen3_5-hf",
+        "qwen3_5-f32",
+        hf_qwen3_5,
+        "Qwen3_5ForConditionalGeneration",
+        "qwen3_5-f32 in HF layout: keys model.language_model.*, conv1d [C,1,K], "
+        "input/post_attention/q/k/final norms stored as w-1, mtp.* and model.visual.* extras. "
+        "No lm_head.weight: mlx-lm 0.32.2 prefixes it to language_model.lm_head.weight before its "
+        "tied-embedding pop('lm_head.weight'), so a tied checkpoint carrying one fails strict loading",
+    ),
+    HfSpec(
+        "nemotron_h-hf",
+        "nemotron_h-f32",
+        hf_nemotron_h,
+        "NemotronHForCausalLM",
+        "nemotron_h-f32 in HF layout: conv1d [C,1,K], per-expert mixer.experts.E.{up,down}_proj, mtp.* extras",
+    ),
+    HfSpec(
+        "qwen3_next-moe-hf",
+        "qwen3_next-moe-f32",
+        hf_qwen3_next,
+        "Qwen3NextForCausalLM",
+        "qwen3_next-moe-f32 in HF layout: per-expert mlp.experts.E.{gate,up,down}_proj, conv1d [C,1,K], "
+        "input/post_attention/q/k/final norms stored as w-1, mtp.* extras",
+    ),
+]
+
+
+def make_hf_fixture(out: Path, spec: HfSpec) -> dict:
+    twin_dir = out / spec.twin
+    with open(twin_dir / "config.json") as f:
+        cfg = json.load(f)
+    cfg["architectures"] = [spec.architecture]
+    cfg["torch_dtype"] = "float32"
+    weights = spec.to_hf(load_weight_files(twin_dir), cfg, np.random.default_rng(seed_for(spec.name)))
+
+    path = reset_dir(out / spec.name)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(sorted(weights.items())), metadata={"format": "pt"})
+    with open(path / "config.json", "w") as f:
+        json.dump(dict(sorted(cfg.items())), f, indent=4)
+
+    twin_ref = mx.load(str(twin_dir / "reference.safetensors"))
+    prompt = np.array(twin_ref["prompt"])
+    ref = write_reference(path, prompt, path / "reference.safetensors")
+    diff = mx.abs(ref["logits_full"] - twin_ref["logits_full"]).max().item()
+    if diff >= HF_TWIN_TOLERANCE or ref["greedy"].tolist() != twin_ref["greedy"].tolist():
+        raise RuntimeError(f"{spec.name}: differs from {spec.twin} by {diff}")
+    params = sum(v.size for v in weights.values())
+    summarize(spec.name, params, ref)
+    return manifest_entry(
+        spec.name,
+        cfg["model_type"],
+        "float32",
+        None,
+        "hf",
+        spec.name,
+        f"{spec.notes}; max |logits - twin| = {diff:.2e}",
+        **reference_facts(ref),
+    )
+
+
+# --------------------------------------------------------------------------
+# GGUF (llama family)
+# --------------------------------------------------------------------------
+
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def mlx_to_gguf_name(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``."""
+    module, suffix = name.rsplit(".", 1)
+    if module in GGUF_GLOBAL_NAMES:
+        return f"{GGUF_GLOBAL_NAMES[module]}.{suffix}"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+    return f"blk.{m[1]}.{GGUF_LAYER_NAMES[m[2]]}.{suffix}"
+
+
+def gguf_to_mlx_name(name: str) -> str:
+    """``blk.3.attn_q.scales`` -> ``model.layers.3.self_attn.q_proj.scales``."""
+    module, suffix = name.rsplit(".", 1)
+    for mlx_name, gguf_name in GGUF_GLOBAL_NAMES.items():
+        if module == gguf_name:
+            return f"{mlx_name}.{suffix}"
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", module)
+    layer = {v: k for k, v in GGUF_LAYER_NAMES.items()}[m[2]]
+    return f"model.layers.{m[1]}.{layer}.{suffix}"
+
+
+def permute_qk(w, n_head: int):
+    """convert_hf_to_gguf.py's LlamaModel.permute (HF rows -> llama.cpp rows):
+    within each head, row i*(d/2)+j moves to row 2j+i (halves interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w, n_head: int):
+    """Inverse of ``permute_qk`` (llama.cpp rows -> HF rows)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def qk_heads(name: str, n_head: int, n_head_kv: int) -> Optional[int]:
+    """Heads to (un)permute the rows of a q/k tensor by; None for others."""
+    if ".attn_q." in name or ".self_attn.q_proj." in name:
+        return n_head
+    if ".attn_k." in name or ".self_attn.k_proj." in name:
+        return n_head_kv
+    return None
+
+
+def gguf_llama_config(gguf_path: Path) -> tuple[dict, dict[str, mx.array], dict]:
+    """Read a llama GGUF with MLX; return the mlx-lm config (without
+    quantization), the raw tensors and the metadata."""
+    tensors, meta = mx.load(str(gguf_path), return_metadata=True)
+    if meta["general.architecture"] != "llama":
+        raise ValueError(f"{gguf_path}: not a llama GGUF")
+
+    def num(key):
+        return meta[f"llama.{key}"].item()
+
+    hidden, n_head = num("embedding_length"), num("attention.head_count")
+    cfg = dict(
+        model_type="llama",
+        hidden_size=hidden,
+        intermediate_size=num("feed_forward_length"),
+        num_hidden_layers=num("block_count"),
+        num_attention_heads=n_head,
+        num_key_value_heads=num("attention.head_count_kv"),
+        head_dim=hidden // n_head,
+        vocab_size=num("vocab_size") if "llama.vocab_size" in meta else len(meta["tokenizer.ggml.tokens"]),
+        max_position_embeddings=num("context_length"),
+        # GGUF stores float32: write the shortest decimal that rounds back to it.
+        rms_norm_eps=float(str(np.float32(num("attention.layer_norm_rms_epsilon")))),
+        rope_theta=float(str(np.float32(num("rope.freq_base")))),
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings="output.weight" not in tensors,
+    )
+    return cfg, tensors, meta
+
+
+def export_gguf_llama(gguf_path: Path, out_dir: Path) -> dict:
+    """Export a llama GGUF, as MLX reads it, to an MLX-community checkpoint.
+
+    mx.load returns Q4_0/Q4_1/Q8_0 tensors as MLX affine triples
+    ``weight``/``scales``/``biases``; names are mapped to mlx-lm's and the q/k
+    rows (of weight, scales and biases alike) un-permuted. Bits and group
+    size are inferred from the shapes: the most common pair becomes
+    ``quantization``'s default, others are recorded per layer (llama.cpp's
+    Q4_1 files keep token_embd at Q8_0).
+    """
+    cfg, tensors, _ = gguf_llama_config(gguf_path)
+    n_head, n_head_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    in_dims = {"ffn_down": cfg["intermediate_size"], "attn_output": n_head * cfg["head_dim"]}
+    weights, formats = {}, {}
+    for name, value in tensors.items():
+        heads = qk_heads(name, n_head, n_head_kv)
+        if heads is not None:
+            value = unpermute_qk(value, heads)
+        weights[gguf_to_mlx_name(name)] = value
+        if name.endswith(".scales"):
+            module = name.rsplit(".", 1)[0]
+            width = in_dims.get(module.split(".")[-1], cfg["hidden_size"])
+            bits = tensors[f"{module}.weight"].shape[-1] * 32 // width
+            formats[gguf_to_mlx_name(name).rsplit(".", 1)[0]] = (bits, width // value.shape[-1])
+    if formats:
+        counts = Counter(formats.values())
+        bits, group_size = max(sorted(counts), key=counts.get)
+        cfg["quantization"] = {"group_size": group_size, "bits": bits}
+        for module, (b, g) in sorted(formats.items()):
+            if (b, g) != (bits, group_size):
+                cfg["quantization"][module] = {"group_size": g, "bits": b}
+
+    path = reset_dir(out_dir)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(sorted(weights.items())), metadata={"format": "mlx"})
+    save_config(copy.deepcopy(cfg), path / "config.json")
+    return cfg
+
+
+def bytes_to_unicode() -> list[str]:
+    """GPT-2's byte-level alphabet: the character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def tiny_gpt2_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """A minimal byte-level BPE vocabulary of exactly ``vocab_size`` tokens:
+    3 control tokens, the 188 printable byte characters and 'Ġ' (space), and
+    64 merges of the letters 'etaoinsh'."""
+    alphabet = bytes_to_unicode()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    singles = [c for c in alphabet if ord(c) < 256] + [alphabet[ord(" ")]]
+    merges = [f"{a} {b}" for a in "etaoinsh" for b in "etaoinsh"]
+    tokens = specials + singles + [m.replace(" ", "") for m in merges]
+    assert len(tokens) == vocab_size and len(set(tokens)) == vocab_size
+    types = [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (vocab_size - len(specials))
+    return tokens, [int(t) for t in types], merges
+
+
+GGUF_TYPES = {
+    "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    "q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
+}
+
+
+def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind: str) -> None:
+    """Write mlx-lm llama weights as llama.cpp would: GGUF names, q/k rows
+    permuted, 2-D tensors in ``kind``'s type and 1-D norms in F32."""
+    qtype, file_type = GGUF_TYPES[kind]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("mlex tiny llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tokens, types, merges = tiny_gpt2_vocab(cfg["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    for name, value in weights.items():
+        gname = mlx_to_gguf_name(name)
+        heads = qk_heads(gname, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+        if heads is not None:
+            value = permute_qk(value, heads)
+        if value.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gname, value.astype(np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gname, value.astype(np.float16))
+        else:
+            writer.add_tensor(gname, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def dequantized_gguf_weights(path: Path, cfg: dict) -> dict[str, mx.array]:
+    """Read a GGUF with the gguf package, dequantize to float32, map to
+    mlx-lm names and un-permute q/k."""
+    weights = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        value = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        heads = qk_heads(t.name, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+        if heads is not None:
+            value = unpermute_qk(value, heads)
+        weights[gguf_to_mlx_name(t.name)] = mx.array(value)
+    return weights
+
+
+def check_mlx_reads_gguf(path: Path, dequantized: dict[str, mx.array], cfg: dict, quant: Optional[dict]) -> None:
+    """mx.load must return every tensor, and its affine triples must
+    dequantize (with float32 scales) to the gguf package's float32 values."""
+    tensors = mx.load(str(path))
+    for name, ref in dequantized.items():
+        gname = mlx_to_gguf_name(name)
+        value = tensors[gname]
+        base = gname.rsplit(".", 1)[0]
+        if f"{base}.scales" in tensors:
+            value = mx.dequantize(
+                value,
+                tensors[f"{base}.scales"].astype(mx.float32),
+                tensors[f"{base}.biases"].astype(mx.float32),
+                group_size=quant["group_size"],
+                bits=quant["bits"],
+            )
+        heads = qk_heads(gname, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+        if heads is not None:
+            value = unpermute_qk(value, heads)
+        err = mx.abs(value.astype(mx.float32) - ref).max().item()
+        if err > 1e-6:
+            raise RuntimeError(f"{path}: mx.load's {gname} differs from gguf's by {err}")
+
+
+def make_gguf_fixture(out: Path, kind: str) -> dict:
+    """A tiny llama GGUF, its dequantized float32 twin in MLX layout (the
+    reference), and the logit distance of mlx-lm on mx.load's tensors."""
+    name = f"gguf-{kind}"
+    cfg = llama_config(tie=False)
+    cfg["rms_norm_eps"] = 1e-5
+    model = random_model(cfg, seed_for("gguf_llama"))
+    params = get_total_parameters(model)
+    weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+
+    path = reset_dir(out / name)
+    gguf_file = path / "model.gguf"
+    write_llama_gguf(gguf_file, cfg, weights, kind)
+
+    quant = {"bits": int(kind[1]), "group_size": 32} if kind.startswith("q") else None
+    dequantized = dequantized_gguf_weights(gguf_file, cfg)
+    check_mlx_reads_gguf(gguf_file, dequantized, cfg, quant)
+    deq_model = build_model(cfg)
+    deq_model.load_weights(list(dequantized.items()), strict=True)
+    deq_dir = path / "dequantized"
+    deq_dir.mkdir()
+    save_model(deq_dir, deq_model)
+    save_config(copy.deepcopy(cfg), deq_dir / "config.json")
+
+    prompt = random_prompt(cfg["vocab_size"])
+    ref = write_reference(deq_dir, prompt, path / "reference.safetensors")
+    tolerance = mlx_gguf_distance(gguf_file, prompt, ref)
+    summarize(name, params, ref)
+    return manifest_entry(
+        name,
+        "llama",
+        {"f16": "float16"}.get(kind, "float32"),
+        quant,
+        "gguf",
+        f"{name}/model.gguf",
+        f"llama.cpp naming and q/k permutation, {kind.upper()} 2-D tensors, F32 norms, untied output. "
+        f"Reference: mlx-lm on the gguf package's float32 dequantization ({name}/dequantized, un-permuted). "
+        "tolerance_hint: max |logit| difference to mlx-lm on the MLX checkpoint built from mx.load's tensors "
+        "(for quantized files it comes from QuantizedEmbedding returning float16, the scales' dtype)",
+        tolerance_hint=tolerance,
+        **reference_facts(ref),
+    )
+
+
+def mlx_gguf_distance(gguf_file: Path, prompt: np.ndarray, ref: dict[str, mx.array]) -> float:
+    """Max |logit| difference between the reference and mlx-lm run on the
+    GGUF as mx.load returns it (exported like the SmolLM2 checkpoint)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        export_gguf_llama(gguf_file, Path(tmp) / "affine")
+        model, _ = load_model(Path(tmp) / "affine")
+        other = run_reference(model, prompt)
+    diff = mx.abs(other["logits_full"] - ref["logits_full"]).max().item()
+    if other["greedy"].tolist() == ref["greedy"].tolist():
+        diff = max(diff, mx.abs(other["step_logits"] - ref["step_logits"]).max().item())
+    return float(f"{diff:.3g}")
+
+
+# --------------------------------------------------------------------------
+# SmolLM2-135M-Instruct (real weights, Q4_1 GGUF)
+# --------------------------------------------------------------------------
+
+SMOLLM2_QUESTION = "What is the capital of France?"
+
+
+def gguf_tokenizer(meta: dict) -> Tokenizer:
+    """The GGUF's byte-level BPE (tokenizer.ggml.model = gpt2, pre = smollm:
+    single digits, then GPT-2's byte-level split) with its control tokens."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    types = np.array(meta["tokenizer.ggml.token_type"])
+    tok.add_special_tokens([t for t, ty in zip(tokens, types) if ty == gguf.TokenType.CONTROL])
+    return tok
+
+
+def chat_prompt(meta: dict, tok: Tokenizer, question: str) -> np.ndarray:
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    text = env.from_string(meta["tokenizer.chat_template"]).render(
+        messages=[{"role": "user", "content": question}], add_generation_prompt=True
+    )
+    return np.array(tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+
+def make_smollm2_fixtures(out: Path, gguf_path: Path) -> list[dict]:
+    """Export the GGUF to DIR/smollm2-export, prove the export right by asking
+    it a question, and record the reference from the chat prompt's ids."""
+    name = "smollm2-export"
+    path = out / name
+    cfg = export_gguf_llama(gguf_path, path)
+    quant = cfg.get("quantization", {})
+    if (quant.get("bits"), quant.get("group_size")) != (4, 32):
+        raise RuntimeError(f"{gguf_path}: expected 4-bit group 32 from Q4_1, got {quant}")
+
+    _, _, meta = gguf_llama_config(gguf_path)
+    tok = gguf_tokenizer(meta)
+    prompt = chat_prompt(meta, tok, SMOLLM2_QUESTION)
+    eos = meta["tokenizer.ggml.eos_token_id"].item()
+
+    ref = write_reference(path, prompt, path / "reference.safetensors")
+    greedy = ref["greedy"].tolist()
+    answer = tok.decode(greedy[: greedy.index(eos)] if eos in greedy else greedy)
+    print(f"smollm2: {SMOLLM2_QUESTION!r} -> {answer!r}")
+    if "Paris" not in answer:
+        raise RuntimeError("SmolLM2 export does not answer Paris: the export is wrong")
+    summarize(name, get_total_parameters(load_model(path)[0]), ref)
+
+    notes = f"SmolLM2-135M-Instruct; prompt = chat template around {SMOLLM2_QUESTION!r}; greedy answer {answer!r}"
+    return [
+        manifest_entry(
+            name,
+            "llama",
+            "float16",
+            {"bits": 4, "group_size": 32},
+            "mlx",
+            name,
+            f"MLX-community export of the Q4_1 GGUF (mx.load affine tensors, f16 scales/biases, "
+            f"f32 norms, q/k un-permuted, tied embeddings). {notes}",
+            **reference_facts(ref),
+        ),
+        manifest_entry(
+            "smollm2-gguf",
+            "llama",
+            "float16",
+            {"bits": 4, "group_size": 32},
+            "gguf",
+            str(gguf_path.resolve()),
+            f"The Q4_1 GGUF itself; same tokens expected as smollm2-export. {notes}",
+            reference=f"{name}/reference.safetensors",
+            **reference_facts(ref),
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Fixture:
+    name: str
+    make: Callable[[Path], list[dict]]
+    requires: list[str] = field(default_factory=list)
+
+
+def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
+    fixtures = [Fixture(s.name, lambda out, s=s: [make_mlx_fixture(out, s)]) for s in mlx_specs()]
+    fixtures += [Fixture(s.name, lambda out, s=s: [make_hf_fixture(out, s)], [s.twin]) for s in HF_SPECS]
+    fixtures += [Fixture(f"gguf-{k}", lambda out, k=k: [make_gguf_fixture(out, k)]) for k in GGUF_TYPES]
+    if smollm2_gguf is not None:
+        fixtures.append(Fixture("smollm2-export", lambda out: make_smollm2_fixtures(out, smollm2_gguf)))
+    return fixtures
+
+
+def select(fixtures: list[Fixture], only: Optional[str]) -> list[Fixture]:
+    """The fixtures named in ``only`` plus those they are derived from."""
+    if not only:
+        return fixtures
+    by_name = {f.name: f for f in fixtures}
+    wanted = set()
+    pending = [n.strip() for n in only.split(",") if n.strip()]
+    while pending:
+        n = pending.pop()
+        if n not in by_name:
+            raise SystemExit(f"unknown fixture {n!r}; known: {', '.join(by_name)}")
+        if n not in wanted:
+            wanted.add(n)
+            pending += by_name[n].requires
+    return [f for f in fixtures if f.name in wanted]
+
+
+def write_manifest(out: Path, entries: list[dict], merge: bool) -> None:
+    """Write DIR/manifest.json; with ``merge`` (an --only run) keep the
+    entries of fixtures that were not remade."""
+    manifest_path = out / "manifest.json"
+    by_name = {}
+    if merge and manifest_path.exists():
+        by_name = {e["name"]: e for e in json.loads(manifest_path.read_text())["fixtures"]}
+    by_name.update({e["name"]: e for e in entries})
+    manifest = {
+        "fixtures": [by_name[n] for n in sorted(by_name)],
+        "versions": {
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "gguf": importlib.metadata.version("gguf"),
+        },
+    }
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--smollm2-gguf", type=Path, help="SmolLM2-135M-Instruct Q4_1 .gguf")
+    parser.add_argument("--only", help="comma-separated fixture names (plus what they derive from)")
+    args = parser.parse_args()
+
+    mx.set_default_device(mx.cpu)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    entries = []
+    for fixture in select(all_fixtures(args.smollm2_gguf), args.only):
+        entries += fixture.make(args.out)
+    write_manifest(args.out, entries, merge=bool(args.only))
+    print(f"{len(entries)} fixtures in {args.out} ({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1031,6 +1031,8 @@ def make_gguf_fixture(out: Path, kind: str) -> dict:
 
     quant = {"bits": int(kind[1]), "group_size": 32} if kind.startswith("q") else None
     dequantized = dequantized_gguf_weights(gguf_file, cfg)
+    if kind == "f32" and any(not np.array_equal(weights[k], dequantized[k]) for k in weights):
+        raise RuntimeError(f"{gguf_file}: names or q/k permutation do not round-trip")
     check_mlx_reads_gguf(gguf_file, dequantized, cfg, quant)
     deq_model = build_model(cfg)
     deq_model.load_weights(list(dequantized.items()), strict=True)
@@ -1137,8 +1139,9 @@ def make_smollm2_fixtures(out: Path, gguf_path: Path) -> list[dict]:
             {"bits": 4, "group_size": 32},
             "mlx",
             name,
-            f"MLX-community export of the Q4_1 GGUF (mx.load affine tensors, f16 scales/biases, "
-            f"f32 norms, q/k un-permuted, tied embeddings). {notes}",
+            f"MLX-community export of the GGUF as mx.load returns it: Q4_1 tensors 4-bit group 32, "
+            f"token_embd (Q8_0) 8-bit group 32 as a per-layer override, f16 scales/biases, f32 norms, "
+            f"q/k rows un-permuted, tied embeddings. {notes}",
             **reference_facts(ref),
         ),
         manifest_entry(

@@ -7,7 +7,10 @@
 //! - `fixtures`: random-weight checkpoints and reference outputs from mlx-lm.
 //! - `cuda-bundle`: the `mlex` binary and what it loads, for a CUDA machine.
 
+mod assets;
 mod download;
+mod fixtures;
+mod python;
 mod setup;
 
 use anyhow::{bail, Result};
@@ -19,7 +22,8 @@ usage: cargo xtask <command>
 
 commands:
   setup          install what building mlex needs (idempotent; offline once done)
-  test           setup, cargo fmt --check, clippy -D warnings, the whole test suite
+  test           setup, cargo fmt --check, clippy -D warnings, fixtures, the whole test suite
+  fixtures       make the parity fixtures with mlx-lm (and the NumPy DharaAR reference)
   demo [PROMPT]  chat with the bundled default model (SmolLM2-135M-Instruct)
 ";
 
@@ -40,6 +44,7 @@ fn run() -> Result<()> {
     match cmd.as_str() {
         "setup" => setup::setup().map(|_| ()),
         "test" => test(rest),
+        "fixtures" => fixtures::fixtures().map(|p| eprintln!("xtask: fixtures in {}", p.display())),
         "demo" => demo(rest),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
@@ -85,6 +90,9 @@ fn test(_args: &[String]) -> Result<()> {
         "-D",
         "warnings",
     ])?;
+    fixtures::fixtures()?;
+    // The parity tests must not skip: fail if the fixtures are missing.
+    std::env::set_var("MLEX_REQUIRE_FIXTURES", "1");
     cargo(&["test", "--workspace"])?;
     Ok(())
 }

@@ -1,1 +1,19 @@
-fn main() { let a = mlx_rs::Array::from_slice(&[1.0f32,2.0], &[2]); let b = &a + &a; println!("{:?}", b); }
+//! `mlex`: run hybrid language models on MLX.
+
+mod args;
+mod commands;
+mod session;
+
+use clap::Parser;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let cli = args::Cli::parse();
+    match commands::run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! Command-line interface (clap).
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+/// Run hybrid language models (attention + Gated DeltaNet / Mamba2 / canon
+/// layers) on Apple's MLX: Linux CPU, NVIDIA CUDA, macOS Metal.
+#[derive(Parser, Debug)]
+#[command(name = "mlex", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+    /// Device to run on (default: MLX's default, the GPU when there is one).
+    #[arg(long, global = true, value_enum)]
+    pub device: Option<DeviceArg>,
+    /// Extra TOML architecture files or directories (also $MLEX_ARCH_PATH).
+    #[arg(long = "arch-file", global = true, value_name = "PATH")]
+    pub arch_files: Vec<PathBuf>,
+}
+
+/// Where MLX runs.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum DeviceArg {
+    /// The CPU.
+    Cpu,
+    /// The GPU (CUDA or Metal).
+    Gpu,
+}
+
+/// Output format.
+#[derive(Clone, Copy, Debug, Default, ValueEnum, PartialEq, Eq)]
+pub enum Format {
+    /// Human-readable.
+    #[default]
+    Text,
+    /// JSON (the last line of output).
+    Json,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a completion for one prompt.
+    #[command(after_help = "Examples:
+  mlex generate --model ~/.cache/mlex/models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt \"What is the capital of France?\"
+  mlex generate --model ./my-model --prompt-ids 1,2,3 --max-tokens 32 --temp 0 --format json
+  mlex generate --model Qwen/Qwen3-0.6B --prompt \"Write a haiku\" --temp 0.7 --top-p 0.9 --seed 1")]
+    Generate(GenerateArgs),
+    /// Chat interactively (multi-turn; /reset and /quit); reads piped stdin too.
+    #[command(after_help = "Examples:
+  mlex chat --model ~/.cache/mlex/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  printf 'Hi\\nWhat did I just say?\\n' | mlex chat --model ./my-model --format json")]
+    Chat(ChatArgs),
+    /// Measure prefill and decode speed and peak memory.
+    #[command(after_help = "Examples:
+  mlex bench --model ./my-model --prompt-len 128 --gen 256
+  mlex bench --model ./my-model --prompt-len 512 --gen 128 --no-compile --format json")]
+    Bench(BenchArgs),
+    /// Show a model's architecture, layer plan, segment schedule and weights.
+    #[command(after_help = "Examples:
+  mlex inspect --model ./my-model
+  mlex inspect --model model.gguf --format json")]
+    Inspect(InspectArgs),
+    /// List registered architectures and layer kinds, with where each came from.
+    #[command(after_help = "Examples:
+  mlex list
+  mlex list --arch-file my_hybrid.toml --format json")]
+    List(ListArgs),
+    /// Write the float32 logits of every prompt position (one full forward) to .npy.
+    #[command(after_help = "Examples:
+  mlex logits --model ./my-model --prompt-ids 1,2,3 --out logits.npy")]
+    Logits(LogitsArgs),
+    /// Report the MLX runtime (backend, device) and check a matmul against the CPU.
+    #[command(after_help = "Examples:
+  mlex env
+  mlex env --format json")]
+    Env(EnvArgs),
+}
+
+/// The model to load.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A model directory, a .gguf file, or a Hugging Face repo id in the local cache.
+    #[arg(long, short)]
+    pub model: String,
+    /// Run decode steps eagerly instead of through compiled segments.
+    #[arg(long)]
+    pub no_compile: bool,
+}
+
+/// Sampling options.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temp: f32,
+    /// Nucleus sampling mass (0, 1].
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Drop tokens below min-p times the top probability (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// Penalise tokens of the recent context (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// Tokens the repetition penalty looks back over.
+    #[arg(long, default_value_t = 20)]
+    pub repetition_context: usize,
+    /// Add a bias to a token's logit: ID=BIAS (repeatable).
+    #[arg(long, value_name = "ID=BIAS")]
+    pub logit_bias: Vec<String>,
+    /// Seed for sampling (same seed, same output).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Stop when this text appears (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Do not stop at end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt text ("-" reads stdin).
+    #[arg(long, short, conflicts_with = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// The prompt as token ids: 1,2,3 (no template, no tokenizer needed).
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// A system prompt for the chat template.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Send the prompt as raw text, without the chat template.
+    #[arg(long)]
+    pub no_chat_template: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// A system prompt.
+    #[arg(long)]
+    pub system: Option<String>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Output format: json prints one object per turn.
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt length in tokens (random ids).
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    pub gen: usize,
+    /// Timed repetitions (the best is reported).
+    #[arg(long, default_value_t = 1)]
+    pub repeats: usize,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// A model directory, a .gguf file, or a Hugging Face repo id.
+    #[arg(long, short)]
+    pub model: String,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+#[derive(Args, Debug)]
+pub struct ListArgs {
+    /// Output format.
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    /// A model directory, a .gguf file, or a Hugging Face repo id.
+    #[arg(long, short)]
+    pub model: String,
+    /// Prompt token ids: 1,2,3.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub prompt_ids: Vec<u32>,
+    /// Output .npy file.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct EnvArgs {
+    /// Output format.
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}

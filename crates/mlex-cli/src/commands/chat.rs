@@ -1,0 +1,104 @@
+//! `mlex chat`: multi-turn chat on stdin. Each turn renders the whole
+//! conversation with the chat template; the prompt cache restores the
+//! previous turn's state, so only the new tokens are prefilled.
+
+use crate::args::{ChatArgs, Format};
+use crate::session::{chat_tokens, compile, cut_at_stop, generate_options, load_model, tokenizer_for};
+use mlex_core::error::{Error, Result};
+use mlex_core::registry::Registry;
+use mlex_generate::{Flow, Generator, Message, StreamingDetokenizer};
+use serde_json::json;
+use std::io::{BufRead, IsTerminal, Write};
+
+pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
+    let loaded = load_model(&a.model.model, registry)?;
+    let vocab = loaded.model.vocab_size() as usize;
+    let tokenizer = tokenizer_for(&loaded)?;
+    let opts = generate_options(&a.sampling, Some(&tokenizer), vocab)?;
+    let mut generator = Generator::new(loaded.model, compile(&a.model));
+    let interactive = std::io::stdin().is_terminal();
+    let json = a.format == Format::Json;
+    let system: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).collect();
+    let mut history = system.clone();
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout();
+    if interactive {
+        eprintln!("mlex chat: /reset clears the conversation, /quit exits");
+    }
+    let mut turn = 0;
+    loop {
+        if interactive {
+            eprint!(">>> ");
+            let _ = std::io::stderr().flush();
+        }
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).map_err(|e| Error::io("<stdin>", e))? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        match line.trim() {
+            "" => continue,
+            "/quit" | "/exit" => break,
+            "/reset" => {
+                history = system.clone();
+                if !json {
+                    eprintln!("(conversation cleared)");
+                }
+                continue;
+            }
+            _ => {}
+        }
+        history.push(Message::new("user", line));
+        let prompt = chat_tokens(&tokenizer, &history, true)?;
+        let mut detok = StreamingDetokenizer::new(&tokenizer);
+        let mut text = String::new();
+        let mut shown = 0;
+        let stops = a.sampling.stop.clone();
+        let mut on_token = |t: u32| -> Result<Flow> {
+            text.push_str(&detok.push(t)?);
+            if let Some(cut) = cut_at_stop(&text, &stops) {
+                text.truncate(cut);
+                return Ok(Flow::Stop);
+            }
+            if !json && stops.is_empty() {
+                let _ = out.write_all(text[shown..].as_bytes());
+                let _ = out.flush();
+                shown = text.len();
+            }
+            Ok(Flow::Continue)
+        };
+        let g = generator.generate(&prompt, &opts, &mut on_token)?;
+        text.push_str(&detok.finish()?);
+        turn += 1;
+        if json {
+            let obj = json!({
+                "turn": turn,
+                "text": text,
+                "prompt_tokens": g.prompt_tokens,
+                "reused_prompt_tokens": g.reused_tokens,
+                "prefilled_tokens": g.prompt_tokens - g.reused_tokens,
+                "generated_tokens": g.tokens.len(),
+                "prefill_tok_s": g.prefill_tok_s(),
+                "decode_tok_s": g.decode_tok_s(),
+                "finish_reason": g.finish.as_str(),
+            });
+            writeln!(out, "{obj}").map_err(|e| Error::io("<stdout>", e))?;
+        } else {
+            if text.len() > shown {
+                let _ = out.write_all(text[shown..].as_bytes());
+            }
+            writeln!(out).map_err(|e| Error::io("<stdout>", e))?;
+            if interactive {
+                eprintln!(
+                    "[{} prompt tokens ({} reused), {} generated, {:.1} tok/s]",
+                    g.prompt_tokens,
+                    g.reused_tokens,
+                    g.tokens.len(),
+                    g.decode_tok_s()
+                );
+            }
+        }
+        history.push(Message::new("assistant", &text));
+    }
+    Ok(())
+}

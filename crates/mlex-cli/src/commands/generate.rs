@@ -1,0 +1,108 @@
+//! `mlex generate`.
+
+use crate::args::{Format, GenerateArgs};
+use crate::session::{chat_tokens, compile, cut_at_stop, generate_options, load_model, tokenizer_for};
+use mlex_core::error::{Error, Result};
+use mlex_core::registry::Registry;
+use mlex_generate::{Flow, Generator, Message, StreamingDetokenizer};
+use serde_json::json;
+use std::io::{Read, Write};
+
+pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
+    let loaded = load_model(&a.model.model, registry)?;
+    let vocab = loaded.model.vocab_size() as usize;
+    let tokenizer = match (&a.prompt_ids, tokenizer_for(&loaded)) {
+        (Some(_), t) => t.ok(),
+        (None, t) => Some(t?),
+    };
+    let prompt: Vec<u32> = match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(p)) => {
+            let text = if p == "-" {
+                let mut s = String::new();
+                std::io::stdin().read_to_string(&mut s).map_err(|e| Error::io("<stdin>", e))?;
+                s
+            } else {
+                p.clone()
+            };
+            let tok = tokenizer.as_ref().expect("loaded above");
+            let mut messages = Vec::new();
+            if let Some(s) = &a.system {
+                messages.push(Message::new("system", s));
+            }
+            messages.push(Message::new("user", &text));
+            chat_tokens(tok, &messages, !a.no_chat_template)?
+        }
+        (None, None) => return Err(Error::invalid("--prompt", "give --prompt TEXT or --prompt-ids 1,2,3")),
+    };
+    let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
+    let mut generator = Generator::new(loaded.model, compile(&a.model));
+    let stream = a.format == Format::Text;
+    let stops = a.sampling.stop.clone();
+    let hold = stops.iter().map(|s| s.chars().count()).max().unwrap_or(1).saturating_sub(1);
+    let mut detok = tokenizer.as_ref().map(StreamingDetokenizer::new);
+    let mut text = String::new();
+    let mut shown = 0usize;
+    let mut stdout = std::io::stdout().lock();
+    let mut on_token = |t: u32| -> Result<Flow> {
+        let Some(d) = detok.as_mut() else {
+            return Ok(Flow::Continue);
+        };
+        text.push_str(&d.push(t)?);
+        if let Some(cut) = cut_at_stop(&text, &stops) {
+            text.truncate(cut);
+            if stream && cut > shown {
+                let _ = stdout.write_all(text[shown..].as_bytes());
+            }
+            shown = text.len();
+            return Ok(Flow::Stop);
+        }
+        // Hold back what could still become a stop string.
+        let mut safe = text.len();
+        for _ in 0..hold {
+            safe = text[..safe].char_indices().next_back().map(|(i, _)| i).unwrap_or(0);
+        }
+        if stream && safe > shown {
+            let _ = stdout.write_all(text[shown..safe].as_bytes());
+            let _ = stdout.flush();
+            shown = safe;
+        }
+        Ok(Flow::Continue)
+    };
+    let g = generator.generate(&prompt, &opts, &mut on_token)?;
+    if let Some(d) = detok.as_mut() {
+        if g.finish != mlex_generate::Finish::Stop {
+            text.push_str(&d.finish()?);
+        }
+    }
+    if stream {
+        if text.len() > shown {
+            stdout.write_all(text[shown..].as_bytes()).map_err(|e| Error::io("<stdout>", e))?;
+        }
+        writeln!(stdout).map_err(|e| Error::io("<stdout>", e))?;
+        eprintln!(
+            "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | peak memory {:.3} GB | {}",
+            g.prompt_tokens,
+            g.prefill_tok_s(),
+            g.tokens.len(),
+            g.decode_tok_s(),
+            g.peak_memory_bytes as f64 / 1e9,
+            if generator.is_compiled() { "compiled" } else { "eager" }
+        );
+    } else {
+        let out = json!({
+            "token_ids": g.tokens,
+            "text": text,
+            "prompt_tokens": g.prompt_tokens,
+            "reused_prompt_tokens": g.reused_tokens,
+            "generated_tokens": g.tokens.len(),
+            "prefill_tok_s": g.prefill_tok_s(),
+            "decode_tok_s": g.decode_tok_s(),
+            "peak_memory_bytes": g.peak_memory_bytes,
+            "finish_reason": g.finish.as_str(),
+            "compiled": generator.is_compiled(),
+        });
+        writeln!(stdout, "{out}").map_err(|e| Error::io("<stdout>", e))?;
+    }
+    Ok(())
+}

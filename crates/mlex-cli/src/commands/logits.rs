@@ -1,0 +1,40 @@
+//! `mlex logits`: one full forward, float32 logits of every position.
+
+use crate::args::LogitsArgs;
+use crate::session::load_model;
+use mlex_core::error::{Error, Result};
+use mlex_core::registry::Registry;
+use mlx_rs::{Array, Dtype};
+
+pub fn run(a: LogitsArgs, registry: &Registry) -> Result<()> {
+    if a.out.extension().is_none_or(|e| e != "npy") {
+        return Err(Error::invalid("--out", format!("{} must end in .npy", a.out.display())));
+    }
+    if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.is_dir() {
+            return Err(Error::invalid("--out", format!("folder {} does not exist", dir.display())));
+        }
+    }
+    let loaded = load_model(&a.model, registry)?;
+    let model = &loaded.model;
+    let vocab = model.vocab_size() as u32;
+    if let Some(bad) = a.prompt_ids.iter().find(|&&t| t >= vocab) {
+        return Err(Error::invalid("--prompt-ids", format!("token id {bad} is outside the vocabulary of {vocab}")));
+    }
+    if let Some(max) = model.max_context {
+        if a.prompt_ids.len() > max {
+            return Err(Error::PromptTooLong { len: a.prompt_ids.len(), max, hint: None });
+        }
+    }
+    let ids: Vec<i32> = a.prompt_ids.iter().map(|&t| t as i32).collect();
+    let tokens = Array::from_slice(&ids, &[1, ids.len() as i32]);
+    let mut cache = model.make_cache(1)?;
+    let logits = model.forward(&tokens, &mut cache)?;
+    let logits = mlx_rs::ops::squeeze_axes(&logits.as_dtype(Dtype::Float32)?, &[0])?;
+    logits.eval()?;
+    logits
+        .save_numpy(&a.out)
+        .map_err(|e| Error::Other(format!("{}: {e}", a.out.display())))?;
+    eprintln!("wrote {} [{}, {}]", a.out.display(), ids.len(), vocab);
+    Ok(())
+}

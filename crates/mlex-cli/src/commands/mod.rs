@@ -1,0 +1,52 @@
+//! The subcommands.
+
+mod bench;
+mod chat;
+mod env;
+mod generate;
+mod inspect;
+mod list;
+mod logits;
+
+use crate::args::{Cli, Command, DeviceArg};
+use mlex_core::error::Result;
+use mlex_core::registry::Registry;
+
+/// Runs the parsed command line.
+pub fn run(cli: Cli) -> Result<()> {
+    if let Some(d) = cli.device {
+        let device = match d {
+            DeviceArg::Cpu => mlx_rs::Device::cpu(),
+            DeviceArg::Gpu => {
+                let gpu = mlx_rs::Device::gpu();
+                if mlex_core::device::runtime_info()?.gpu_count == 0 {
+                    return Err(mlex_core::Error::invalid(
+                        "--device",
+                        "gpu requested, but the loaded MLX library has no GPU backend",
+                    ));
+                }
+                gpu
+            }
+        };
+        mlx_rs::Device::set_default(&device);
+    }
+    let registry = || -> Result<Registry> { mlex_models::build_registry(&registry_paths(&cli.arch_files)) };
+    match cli.command {
+        Command::Generate(a) => generate::run(a, &registry()?),
+        Command::Chat(a) => chat::run(a, &registry()?),
+        Command::Bench(a) => bench::run(a, &registry()?),
+        Command::Inspect(a) => inspect::run(a, &registry()?),
+        Command::List(a) => list::run(a, &registry()?),
+        Command::Logits(a) => logits::run(a, &registry()?),
+        Command::Env(a) => env::run(a),
+    }
+}
+
+/// `--arch-file` paths plus `$MLEX_ARCH_PATH`.
+fn registry_paths(cli: &[std::path::PathBuf]) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<std::path::PathBuf> = std::env::var_os("MLEX_ARCH_PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    v.extend(cli.iter().cloned());
+    v
+}

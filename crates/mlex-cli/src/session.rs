@@ -1,0 +1,136 @@
+//! A loaded model with its tokenizer: loading (with a progress bar while
+//! the weights are read), prompts, sampling options.
+
+use crate::args::{ModelArgs, SamplingArgs};
+use indicatif::{ProgressBar, ProgressStyle};
+use mlex_core::error::{Error, Result};
+use mlex_core::registry::Registry;
+use mlex_generate::{GenerateOptions, Message, SamplerConfig, Tokenizer};
+use mlex_models::load::{LoadedModel, ModelSource};
+use std::io::IsTerminal;
+
+/// Loads the model at `spec`, materialising its weights behind a progress
+/// bar (shown on a terminal only).
+pub fn load_model(spec: &str, registry: &Registry) -> Result<LoadedModel> {
+    let show = std::io::stderr().is_terminal();
+    let spinner = show.then(|| {
+        let pb = ProgressBar::new_spinner();
+        pb.set_message(format!("opening {spec}"));
+        pb.enable_steady_tick(std::time::Duration::from_millis(120));
+        pb
+    });
+    let loaded = mlex_models::load::load(spec, registry);
+    if let Some(pb) = spinner {
+        pb.finish_and_clear();
+    }
+    let loaded = loaded?;
+    let total: u64 = loaded.model.params.nbytes() as u64;
+    let bar = show.then(|| {
+        let pb = ProgressBar::new(total);
+        pb.set_style(
+            ProgressStyle::with_template("loading weights {bar:30} {bytes}/{total_bytes} ({eta})")
+                .expect("valid template"),
+        );
+        pb
+    });
+    let tensors: Vec<_> = loaded.model.params.iter().map(|(_, a)| a.clone()).collect();
+    for chunk in tensors.chunks(16) {
+        mlx_rs::transforms::eval(chunk.iter())?;
+        if let Some(pb) = &bar {
+            pb.inc(chunk.iter().map(|a| a.nbytes() as u64).sum());
+        }
+    }
+    if let Some(pb) = bar {
+        pb.finish_and_clear();
+    }
+    Ok(loaded)
+}
+
+/// The model's tokenizer (from the directory or the GGUF metadata).
+pub fn tokenizer_for(loaded: &LoadedModel) -> Result<Tokenizer> {
+    match (&loaded.source, &loaded.gguf_tokenizer) {
+        (ModelSource::Gguf(_), Some(g)) => Tokenizer::from_gguf(g),
+        (ModelSource::Dir(d), _) => Tokenizer::from_dir(d),
+        (ModelSource::Gguf(p), None) => Err(Error::Other(format!("{} has no tokenizer metadata", p.display()))),
+    }
+}
+
+/// Parses `ID=BIAS` pairs.
+fn parse_bias(items: &[String]) -> Result<Vec<(u32, f32)>> {
+    items
+        .iter()
+        .map(|s| {
+            let (id, b) = s
+                .split_once('=')
+                .ok_or_else(|| Error::invalid("--logit-bias", format!("`{s}` is not ID=BIAS")))?;
+            let id: u32 = id
+                .trim()
+                .parse()
+                .map_err(|_| Error::invalid("--logit-bias", format!("`{id}` is not a token id")))?;
+            let b: f32 = match b.trim() {
+                "-inf" => f32::NEG_INFINITY,
+                v => v
+                    .parse()
+                    .map_err(|_| Error::invalid("--logit-bias", format!("`{v}` is not a number")))?,
+            };
+            Ok((id, b))
+        })
+        .collect()
+}
+
+/// Generation options from the command line.
+pub fn generate_options(s: &SamplingArgs, tokenizer: Option<&Tokenizer>, vocab: usize) -> Result<GenerateOptions> {
+    let sampler = SamplerConfig {
+        temp: s.temp,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty,
+        repetition_context: s.repetition_context,
+        logit_bias: parse_bias(&s.logit_bias)?,
+        seed: s.seed,
+    };
+    sampler.validate(vocab)?;
+    if s.max_tokens == 0 {
+        return Err(Error::invalid("--max-tokens", "must be at least 1"));
+    }
+    let stop_ids = if s.ignore_eos {
+        Default::default()
+    } else {
+        tokenizer.map(|t| t.eos_ids.clone()).unwrap_or_default()
+    };
+    Ok(GenerateOptions {
+        max_tokens: s.max_tokens,
+        sampler,
+        stop_ids,
+        use_prompt_cache: true,
+    })
+}
+
+/// The token ids of a chat (template applied) or of raw text.
+pub fn chat_tokens(tokenizer: &Tokenizer, messages: &[Message], use_template: bool) -> Result<Vec<u32>> {
+    match (&tokenizer.chat_template, use_template) {
+        (Some(t), true) => {
+            let text = t.render(messages, true)?;
+            tokenizer.encode(&text, false)
+        }
+        _ => {
+            let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+            tokenizer.encode(&text.join("\n"), tokenizer.add_bos)
+        }
+    }
+}
+
+/// Shared model options → whether to compile.
+pub fn compile(m: &ModelArgs) -> bool {
+    !m.no_compile
+}
+
+/// Text the user sees for a stop-string cut: everything before the stop.
+pub fn cut_at_stop(text: &str, stops: &[String]) -> Option<usize> {
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+}

@@ -1,0 +1,276 @@
+//! The decode loop.
+//!
+//! - **Prefix reuse**: the longest prefix of the prompt found in the prompt
+//!   cache (hybrid-aware snapshots, see `mlex_cache::prompt`) is restored and
+//!   only the rest is prefilled; after generation the cache is recorded at
+//!   the end of the prompt and at the end of what was fed, so the next chat
+//!   turn prefills only its new tokens.
+//! - **Pipelining**: step t+1's graph is built (and handed to MLX with
+//!   `async_eval`) before the host waits for step t's token; the host syncs
+//!   only for the sampled token id, never for logits.
+//! - **Compiled segments**: single-token steps run through
+//!   [`SegmentedDecoder`] unless compilation is off.
+
+use crate::sampler::{Sampler, SamplerConfig};
+use mlex_cache::PromptCache;
+use mlex_compile::SegmentedDecoder;
+use mlex_core::error::{Error, Result};
+use mlex_core::model::{Model, ModelCache};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{ops, Array, Dtype};
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+/// What the token callback wants next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Keep generating.
+    Continue,
+    /// Stop now (e.g. a stop string appeared).
+    Stop,
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-sequence token.
+    Eos,
+    /// `max_tokens` reached.
+    Length,
+    /// The callback asked to stop.
+    Stop,
+    /// The model's context is full.
+    Context,
+}
+
+impl Finish {
+    /// Lower-case name (`eos`, `length`, `stop`, `context`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Eos => "eos",
+            Finish::Length => "length",
+            Finish::Stop => "stop",
+            Finish::Context => "context",
+        }
+    }
+}
+
+/// Settings of one generation.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampler: SamplerConfig,
+    /// Tokens that end generation.
+    pub stop_ids: BTreeSet<u32>,
+    /// Look up and record prefixes in the prompt cache.
+    pub use_prompt_cache: bool,
+}
+
+/// The outcome of one generation.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Generated ids (including a final EOS token).
+    pub tokens: Vec<u32>,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Prompt tokens restored from the prompt cache (not computed).
+    pub reused_tokens: usize,
+    /// Seconds until the first token.
+    pub prefill_s: f64,
+    /// Seconds from the first token to the last.
+    pub decode_s: f64,
+    /// Why it ended.
+    pub finish: Finish,
+    /// Peak MLX memory during the call, bytes.
+    pub peak_memory_bytes: usize,
+}
+
+impl Generation {
+    /// Prompt tokens computed per second.
+    pub fn prefill_tok_s(&self) -> f64 {
+        (self.prompt_tokens - self.reused_tokens) as f64 / self.prefill_s.max(1e-9)
+    }
+
+    /// Generated tokens per second after the first.
+    pub fn decode_tok_s(&self) -> f64 {
+        if self.tokens.len() < 2 {
+            return 0.0;
+        }
+        (self.tokens.len() - 1) as f64 / self.decode_s.max(1e-9)
+    }
+}
+
+/// A model with its compiled decoder and prompt cache.
+pub struct Generator {
+    /// The model.
+    pub model: Model,
+    decoder: Option<SegmentedDecoder>,
+    /// Prefix reuse across calls.
+    pub prompt_cache: PromptCache,
+    /// Prompt tokens per prefill chunk.
+    pub prefill_chunk: usize,
+}
+
+impl Generator {
+    /// Wraps `model`; `compile` turns on compiled decode segments.
+    pub fn new(model: Model, compile: bool) -> Self {
+        let decoder = compile.then(|| SegmentedDecoder::new(&model));
+        Self {
+            model,
+            decoder,
+            prompt_cache: PromptCache::new(8, 4 << 30),
+            prefill_chunk: 512,
+        }
+    }
+
+    /// True when decode steps are compiled.
+    pub fn is_compiled(&self) -> bool {
+        self.decoder.is_some()
+    }
+
+    /// The compiled decoder, if any.
+    pub fn decoder(&self) -> Option<&SegmentedDecoder> {
+        self.decoder.as_ref()
+    }
+
+    /// One single-token step: `[1, 1]` tokens → `[1, V]` logits.
+    fn step(&mut self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
+        match &mut self.decoder {
+            Some(d) => d.step(&self.model, tokens, cache),
+            None => self.model.forward_last(tokens, cache),
+        }
+    }
+
+    /// Computes `tokens` into `cache` in chunks; returns the last logits.
+    fn prefill(&mut self, tokens: &[u32], cache: &mut ModelCache) -> Result<Array> {
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let chunk = self.prefill_chunk.max(1);
+        let n = ids.len().div_ceil(chunk);
+        let mut logits = None;
+        for (i, piece) in ids.chunks(chunk).enumerate() {
+            let x = Array::from_slice(piece, &[1, piece.len() as i32]);
+            if i + 1 < n {
+                self.model.forward_hidden(&x, cache)?;
+                // Bound the graph: materialise the cache chunk by chunk.
+                eval(cache.arrays().iter())?;
+            } else {
+                logits = Some(self.model.forward_last(&x, cache)?);
+            }
+        }
+        logits.ok_or_else(|| Error::invalid("prompt", "is empty"))
+    }
+
+    /// Generates from `prompt`, calling `on_token` with every new id.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32) -> Result<Flow>,
+    ) -> Result<Generation> {
+        if prompt.is_empty() {
+            return Err(Error::invalid("prompt", "is empty"));
+        }
+        let vocab = self.model.vocab_size() as usize;
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::invalid("prompt", format!("token id {bad} is outside the vocabulary of {vocab}")));
+        }
+        let limit = self.model.max_context.unwrap_or(usize::MAX);
+        if prompt.len() >= limit {
+            return Err(Error::PromptTooLong {
+                len: prompt.len(),
+                max: limit,
+                hint: Some("max_position_embeddings in config.json".into()),
+            });
+        }
+        let mut sampler = Sampler::new(opts.sampler.clone(), vocab)?;
+        mlex_core::device::reset_peak_memory()?;
+        let start = Instant::now();
+
+        let hit = if opts.use_prompt_cache {
+            self.prompt_cache.lookup(prompt)
+        } else {
+            None
+        };
+        let (mut cache, reused) = match hit {
+            Some(h) => (h.cache, h.reused),
+            None => (self.model.make_cache(1)?, 0),
+        };
+        let logits = self.prefill(&prompt[reused..], &mut cache)?;
+        let prompt_snapshot = opts.use_prompt_cache.then(|| cache.clone());
+
+        let ctx = opts.sampler.repetition_context.max(1);
+        let tail: Vec<i32> = prompt[prompt.len().saturating_sub(ctx)..]
+            .iter()
+            .map(|&t| t as i32)
+            .collect();
+        let mut history = Array::from_slice(&tail, &[1, tail.len() as i32]);
+        let use_history = opts.sampler.repetition_penalty != 1.0;
+
+        let mut y = sampler.sample(&logits, use_history.then_some(&history))?;
+        async_eval([&y])?;
+        let mut fed: Vec<u32> = prompt.to_vec();
+        let mut out = Vec::new();
+        let mut first_at = None;
+        let finish = loop {
+            if out.len() >= opts.max_tokens {
+                break Finish::Length;
+            }
+            let room = fed.len() + 1 < limit;
+            let more = out.len() + 1 < opts.max_tokens && room;
+            let next = if more {
+                let inp = ops::reshape(&y, &[1, 1])?;
+                let logits = self.step(&inp, &mut cache)?;
+                if use_history {
+                    let yy = ops::reshape(&y.as_dtype(Dtype::Int32)?, &[1, 1])?;
+                    let joined = ops::concatenate(&[&history, &yy], 1)?;
+                    let n = joined.shape()[1];
+                    history = joined.try_index((.., (n - ctx as i32).max(0)..))?;
+                }
+                let ny = sampler.sample(&logits, use_history.then_some(&history))?;
+                async_eval([&ny])?;
+                Some(ny)
+            } else {
+                None
+            };
+            let tok = y.try_item_exact::<u32>().map_err(|e| Error::Other(e.to_string()))?;
+            if first_at.is_none() {
+                first_at = Some(Instant::now());
+            }
+            if more {
+                fed.push(tok);
+            }
+            out.push(tok);
+            let flow = on_token(tok)?;
+            if opts.stop_ids.contains(&tok) {
+                break Finish::Eos;
+            }
+            if flow == Flow::Stop {
+                break Finish::Stop;
+            }
+            match next {
+                Some(n) => y = n,
+                None if !room => break Finish::Context,
+                None => break Finish::Length,
+            }
+        };
+        let end = Instant::now();
+        let first_at = first_at.unwrap_or(end);
+        if let Some(snap) = prompt_snapshot {
+            let total = fed.len();
+            self.prompt_cache
+                .insert(&fed, vec![(prompt.len(), snap), (total, cache)]);
+        }
+        Ok(Generation {
+            tokens: out,
+            prompt_tokens: prompt.len(),
+            reused_tokens: reused,
+            prefill_s: (first_at - start).as_secs_f64(),
+            decode_s: (end - first_at).as_secs_f64(),
+            finish,
+            peak_memory_bytes: mlex_core::device::peak_memory()?,
+        })
+    }
+}

@@ -1,0 +1,21 @@
+//! # mlex-generate
+//!
+//! Everything between a loaded model and text: [`tokenizer::Tokenizer`]
+//! (tokenizer.json or GGUF metadata), [`chat::ChatTemplate`] (Jinja via
+//! minijinja), [`sampler::Sampler`] (on-device sampling),
+//! [`detok::StreamingDetokenizer`] (UTF-8-safe streaming) and
+//! [`generate::Generator`] (the pipelined decode loop with prompt-cache
+//! reuse and compiled segments).
+#![warn(missing_docs)]
+
+pub mod chat;
+pub mod detok;
+pub mod generate;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use chat::{ChatTemplate, Message};
+pub use detok::StreamingDetokenizer;
+pub use generate::{Finish, Flow, GenerateOptions, Generation, Generator};
+pub use sampler::{Sampler, SamplerConfig};
+pub use tokenizer::Tokenizer;

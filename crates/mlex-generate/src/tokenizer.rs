@@ -1,0 +1,214 @@
+//! Tokenizers: Hugging Face `tokenizer.json` (with `tokenizer_config.json`,
+//! `generation_config.json` and `chat_template.jinja` beside it), or one
+//! built from a GGUF file's metadata (byte-level BPE: tokens, merges and
+//! token types; control tokens become special tokens).
+
+use crate::chat::ChatTemplate;
+use mlex_core::error::{Error, Result};
+use mlex_models::gguf::GgufTokenizer;
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::path::Path;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::AddedToken;
+
+/// A tokenizer with what generation needs around it.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Tokens that end generation.
+    pub eos_ids: BTreeSet<u32>,
+    /// The BOS token id, if any.
+    pub bos_id: Option<u32>,
+    /// Prepend BOS when encoding a raw prompt.
+    pub add_bos: bool,
+    /// The chat template, if the model has one.
+    pub chat_template: Option<ChatTemplate>,
+}
+
+fn tok_err(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Other(format!("tokenizer: {what}: {e}"))
+}
+
+/// A token's text from a `tokenizer_config.json` entry (string or
+/// `{"content": ...}`).
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
+        _ => None,
+    }
+}
+
+fn read_json(path: &Path) -> Result<Option<Value>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| Error::Config {
+        file: path.to_owned(),
+        key: format!("line {}", e.line()),
+        message: e.to_string(),
+    })
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json` and friends from a model directory.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(Error::io(
+                &path,
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no tokenizer.json in the model directory (use --prompt-ids, or add a tokenizer)",
+                ),
+            ));
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::BadWeightsFile {
+            file: path.clone(),
+            format: "tokenizer.json",
+            message: e.to_string(),
+        })?;
+        let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
+        let mut eos_ids = BTreeSet::new();
+        if let Some(t) = token_text(cfg.get("eos_token")) {
+            eos_ids.extend(inner.token_to_id(&t));
+        }
+        for file in ["generation_config.json", "config.json"] {
+            if let Some(v) = read_json(&dir.join(file))? {
+                match v.get("eos_token_id") {
+                    Some(Value::Number(n)) => eos_ids.extend(n.as_u64().map(|x| x as u32)),
+                    Some(Value::Array(a)) => eos_ids.extend(a.iter().filter_map(Value::as_u64).map(|x| x as u32)),
+                    _ => {}
+                }
+            }
+        }
+        let bos = token_text(cfg.get("bos_token"));
+        let bos_id = bos.as_deref().and_then(|t| inner.token_to_id(t));
+        let add_bos = cfg.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false);
+        let eos = token_text(cfg.get("eos_token"));
+        let template_src = match cfg.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .or_else(|| list.first())
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            _ => None,
+        }
+        .or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok());
+        let chat_template = template_src
+            .map(|s| ChatTemplate::new(&s, bos.clone(), eos.clone()))
+            .transpose()?;
+        let mut t = Self {
+            inner,
+            eos_ids,
+            bos_id,
+            add_bos,
+            chat_template,
+        };
+        t.add_template_stop_tokens();
+        Ok(t)
+    }
+
+    /// Builds a byte-level BPE tokenizer from GGUF metadata.
+    pub fn from_gguf(g: &GgufTokenizer) -> Result<Self> {
+        if g.model != "gpt2" {
+            return Err(Error::Other(format!(
+                "GGUF tokenizer model `{}` is not supported (byte-level BPE `gpt2` is); pass a model directory with tokenizer.json",
+                g.model
+            )));
+        }
+        if g.tokens.is_empty() {
+            return Err(Error::Other("the GGUF file has no tokenizer.ggml.tokens".into()));
+        }
+        let vocab: tokenizers::models::bpe::Vocab = g
+            .tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let merges: Vec<(String, String)> = g
+            .merges
+            .iter()
+            .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| tok_err("building BPE from GGUF", e))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        // Control (3) and user-defined (4) tokens match as whole tokens.
+        let special: Vec<AddedToken> = g
+            .tokens
+            .iter()
+            .zip(&g.token_types)
+            .filter(|(_, t)| **t == 3 || **t == 4)
+            .map(|(s, t)| AddedToken::from(s.clone(), *t == 3))
+            .collect();
+        inner.add_special_tokens(&special);
+        let name = |id: Option<u32>| id.and_then(|i| g.tokens.get(i as usize)).cloned();
+        let chat_template = g
+            .chat_template
+            .as_deref()
+            .map(|s| ChatTemplate::new(s, name(g.bos), name(g.eos)))
+            .transpose()?;
+        let mut t = Self {
+            inner,
+            eos_ids: g.eos.into_iter().collect(),
+            bos_id: g.bos,
+            add_bos: g.add_bos.unwrap_or(false),
+            chat_template,
+        };
+        t.add_template_stop_tokens();
+        Ok(t)
+    }
+
+    /// Chat templates end an assistant turn with a token of their own
+    /// (`<|im_end|>`, `<|eot_id|>`, ...); generation stops there too.
+    fn add_template_stop_tokens(&mut self) {
+        for t in ["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"] {
+            if let Some(id) = self.inner.token_to_id(t) {
+                self.eos_ids.insert(id);
+            }
+        }
+    }
+
+    /// Token ids of `text`; special-token text is matched as such.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| tok_err("encode", e))?;
+        let mut ids = enc.get_ids().to_vec();
+        if add_bos {
+            if let Some(b) = self.bos_id {
+                if ids.first() != Some(&b) {
+                    ids.insert(0, b);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids` (special tokens skipped).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| tok_err("decode", e))
+    }
+
+    /// The id of a token's text.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}

@@ -1,0 +1,57 @@
+//! `cargo xtask fixtures`: random-weight checkpoints and reference outputs
+//! from mlx-lm (`xtask/py/fixtures.py`) and from the independent NumPy
+//! DharaAR implementation (`xtask/py/dhara_ref.py`), written to
+//! `target/fixtures`. Skipped when the scripts and pins are unchanged.
+
+use crate::{assets, python, workspace_root};
+use anyhow::{bail, Result};
+use sha2::{Digest, Sha256};
+use std::path::PathBuf;
+use std::process::Command;
+
+/// Where the fixtures go (the parity tests read it too).
+pub fn fixtures_dir() -> PathBuf {
+    workspace_root().join("target/fixtures")
+}
+
+/// Makes the fixtures unless they are current; returns their folder.
+pub fn fixtures() -> Result<PathBuf> {
+    let root = workspace_root();
+    let py_dir = root.join("xtask/py");
+    let gguf = assets::smollm2_gguf()?;
+    let mut h = Sha256::new();
+    for f in ["fixtures.py", "dhara_ref.py", "requirements.txt"] {
+        h.update(std::fs::read(py_dir.join(f))?);
+    }
+    h.update(gguf.to_string_lossy().as_bytes());
+    let key = format!("{:x}", h.finalize());
+    let out = fixtures_dir();
+    let stamp = out.join(".stamp");
+    if std::fs::read_to_string(&stamp).is_ok_and(|s| s == key) {
+        return Ok(out);
+    }
+    let py = python::venv_python()?;
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out)?;
+    eprintln!("xtask: making parity fixtures with mlx-lm into {}", out.display());
+    let status = Command::new(&py)
+        .arg(py_dir.join("fixtures.py"))
+        .arg("--out")
+        .arg(&out)
+        .arg("--smollm2-gguf")
+        .arg(&gguf)
+        .status()?;
+    if !status.success() {
+        bail!("xtask/py/fixtures.py failed");
+    }
+    let status = Command::new(&py)
+        .arg(py_dir.join("dhara_ref.py"))
+        .arg("--out")
+        .arg(&out)
+        .status()?;
+    if !status.success() {
+        bail!("xtask/py/dhara_ref.py failed");
+    }
+    std::fs::write(&stamp, key)?;
+    Ok(out)
+}

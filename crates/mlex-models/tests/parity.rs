@@ -5,9 +5,7 @@
 //! 32 greedy tokens identical, and incremental decode (prompt in one pass
 //! and in chunks) equal to the full forward.
 
-mod common;
-
-use common::*;
+use mlex_testkit::*;
 use mlex_models::load::load;
 use mlx_rs::ops::indexing::TryIndexOp;
 

@@ -1,11 +1,12 @@
-//! Shared helpers of the model tests: fixture discovery and comparisons.
+//! Test support shared by the crates' integration tests: fixture discovery
+//! and comparisons.
 //!
 //! Fixtures are made by `cargo xtask fixtures` (mlx-lm, the Python
 //! reference, and the NumPy DharaAR reference) into `target/fixtures`
 //! (override with `MLEX_FIXTURES`). When they are missing, a test prints
 //! how to make them and passes only if `MLEX_REQUIRE_FIXTURES` is unset;
 //! `cargo xtask test` sets it, so CI can never skip them.
-#![allow(dead_code)]
+#![allow(missing_docs)]
 
 use mlex_core::model::{Model, ModelCache};
 use mlx_rs::{Array, Dtype};

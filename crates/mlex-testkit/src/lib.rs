@@ -124,7 +124,7 @@ pub fn tokens(ids: &[i32]) -> Array {
 }
 
 pub fn to_f32(a: &Array) -> Vec<f32> {
-    let a = a.as_dtype(Dtype::Float32).unwrap();
+    let a = a.as_dtype(Dtype::Float32).unwrap().contiguous().unwrap();
     a.eval().unwrap();
     a.try_as_slice::<f32>().unwrap().to_vec()
 }

@@ -1,0 +1,188 @@
+//! Bad input gives a clear error naming the file, key or tensor — never a
+//! panic or an abort inside MLX — and TOML-defined hybrids build without
+//! Rust code.
+
+use mlex_core::error::Error;
+use mlex_testkit::*;
+use mlx_rs::Array;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// A writable copy of a fixture directory.
+fn copy_fixture(name: &str) -> Option<(tempfile::TempDir, PathBuf)> {
+    let f = fixture(name)?;
+    let src = path_of(&f);
+    let dir = tempfile::tempdir().unwrap();
+    let dst = dir.path().join(name);
+    std::fs::create_dir_all(&dst).unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    Some((dir, dst))
+}
+
+fn load_err(path: &Path) -> Error {
+    let registry = mlex_models::registry().unwrap();
+    match mlex_models::load::load(path.to_str().unwrap(), registry) {
+        Ok(_) => panic!("{} loaded but should not", path.display()),
+        Err(e) => e,
+    }
+}
+
+fn rewrite_weights(path: &Path, f: impl FnOnce(&mut HashMap<String, Array>)) {
+    let file = path.join("model.safetensors");
+    let mut t = Array::load_safetensors(&file).unwrap();
+    f(&mut t);
+    std::fs::remove_file(&file).unwrap();
+    Array::save_safetensors(t.iter().map(|(k, v)| (k.as_str(), v)), None, &file).unwrap();
+}
+
+#[test]
+fn truncated_and_corrupt_safetensors_name_the_file() {
+    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    let e = load_err(&dir).to_string();
+    assert!(e.contains("model.safetensors") && e.contains("not a valid safetensors"), "{e}");
+    std::fs::write(&file, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all").unwrap();
+    let e = load_err(&dir).to_string();
+    assert!(e.contains("model.safetensors") && e.contains("safetensors"), "{e}");
+}
+
+#[test]
+fn missing_misshaped_and_unexpected_tensors_are_named() {
+    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    rewrite_weights(&dir, |t| {
+        t.remove("model.layers.1.mlp.up_proj.weight");
+    });
+    match load_err(&dir) {
+        Error::MissingTensor { name, .. } => assert_eq!(name, "model.layers.1.mlp.up_proj.weight"),
+        e => panic!("expected a missing tensor, got {e}"),
+    }
+    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    rewrite_weights(&dir, |t| {
+        let w = t["model.layers.0.self_attn.k_proj.weight"].clone();
+        let flat = mlx_rs::ops::reshape(&w, &[-1]).unwrap();
+        t.insert("model.layers.0.self_attn.k_proj.weight".into(), mlx_rs::ops::reshape(&flat, &[16, -1]).unwrap());
+    });
+    let e = load_err(&dir).to_string();
+    assert!(e.contains("model.layers.0.self_attn.k_proj.weight") && e.contains("expected shape"), "{e}");
+    assert!(e.contains("model.safetensors"), "{e}");
+    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    rewrite_weights(&dir, |t| {
+        t.insert("model.layers.0.surprise.weight".into(), Array::from_slice(&[1f32], &[1]));
+    });
+    let e = load_err(&dir).to_string();
+    assert!(e.contains("unexpected tensor") && e.contains("model.layers.0.surprise.weight"), "{e}");
+}
+
+#[test]
+fn config_errors_name_the_file_and_key() {
+    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    let cfg = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["model_type"] = "gpt9000".into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let e = load_err(&dir).to_string();
+    assert!(e.contains("unknown model_type `gpt9000`") && e.contains("config.json") && e.contains("qwen3_next"), "{e}");
+
+    v["model_type"] = "llama".into();
+    v["hidden_size"] = "wide".into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let e = load_err(&dir).to_string();
+    assert!(e.contains("config.json") && e.contains("hidden_size"), "{e}");
+
+    std::fs::write(&cfg, "{ \"model_type\": \"llama\", ").unwrap();
+    let e = load_err(&dir).to_string();
+    assert!(e.contains("config.json") && e.contains("line"), "{e}");
+
+    std::fs::remove_file(&cfg).unwrap();
+    let e = load_err(&dir).to_string();
+    assert!(e.contains("config.json"), "{e}");
+}
+
+#[test]
+fn a_missing_shard_is_named() {
+    let Some((_d, dir)) = copy_fixture("llama-f32-sharded") else { return };
+    let shard = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains("-of-"))
+        .expect("a shard");
+    std::fs::remove_file(&shard).unwrap();
+    let e = load_err(&dir).to_string();
+    assert!(e.contains(shard.file_name().unwrap().to_str().unwrap()) && e.contains("index.json"), "{e}");
+}
+
+#[test]
+fn truncated_gguf_names_the_file() {
+    let Some(f) = fixture("gguf-q4_0") else { return };
+    let bytes = std::fs::read(path_of(&f)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("cut.gguf");
+    std::fs::write(&p, &bytes[..bytes.len() * 2 / 3]).unwrap();
+    let e = load_err(&p).to_string();
+    assert!(e.contains("cut.gguf") && e.contains("GGUF"), "{e}");
+    std::fs::write(&p, b"GGUF\x03\x00\x00\x00garbage").unwrap();
+    let e = load_err(&p).to_string();
+    assert!(e.contains("cut.gguf"), "{e}");
+    std::fs::write(&p, b"not a gguf").unwrap();
+    let e = load_err(&p).to_string();
+    assert!(e.contains("cut.gguf"), "{e}");
+}
+
+#[test]
+fn malformed_toml_architectures_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("mine.toml");
+    std::fs::write(&p, "name = \"x\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"gated_delta\",\n").unwrap();
+    let e = mlex_models::build_registry(&[p.clone()]).err().unwrap().to_string();
+    assert!(e.contains("mine.toml") && e.contains("line"), "{e}");
+    std::fs::write(&p, "name = \"x\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"warp_drive\"]\n").unwrap();
+    let e = mlex_models::build_registry(&[p.clone()]).err().unwrap().to_string();
+    assert!(e.contains("warp_drive") && e.contains("mine.toml") && e.contains("gated_delta"), "{e}");
+    std::fs::write(&p, "name = \"x\"\nbase = \"nope\"\n[layers]\npattern = [\"attention\"]\n").unwrap();
+    let e = mlex_models::build_registry(&[p.clone()]).err().unwrap().to_string();
+    assert!(e.contains("nope") && e.contains("mine.toml"), "{e}");
+    std::fs::write(&p, "name = \"x\"\nbase = \"llama\"\ncolour = \"red\"\n[layers]\npattern = [\"attention\"]\n").unwrap();
+    let e = mlex_models::build_registry(&[p]).err().unwrap().to_string();
+    assert!(e.contains("colour"), "{e}");
+}
+
+#[test]
+fn a_toml_hybrid_runs_without_rust_code() {
+    // Qwen3-Next weights served by a TOML-defined model_type that spells
+    // out the layer pattern: the result must equal mlx-lm's reference.
+    let Some(f) = fixture("qwen3_next-f32") else { return };
+    let Some((_d, dir)) = copy_fixture("qwen3_next-f32") else { return };
+    let cfg = dir.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["model_type"] = "my_hybrid".into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let toml = dir.join("my_hybrid.toml");
+    std::fs::write(
+        &toml,
+        "name = \"my_hybrid\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"gated_delta\", \"gated_delta\", \"gated_delta\", \"attention\"]\n",
+    )
+    .unwrap();
+    let registry = mlex_models::build_registry(&[toml]).unwrap();
+    let loaded = mlex_models::load::load(dir.to_str().unwrap(), &registry).unwrap();
+    assert_eq!(loaded.model.arch, "my_hybrid");
+    let r = reference(&f);
+    let mut cache = loaded.model.make_cache(1).unwrap();
+    let logits = loaded.model.forward(&tokens(&r.prompt), &mut cache).unwrap();
+    let (d, m) = max_diff(&to_f32(&logits), &to_f32(&r.logits_full));
+    assert!(d <= 1e-4 * m.max(1.0), "TOML hybrid differs from the reference by {d}");
+    // A pattern that does not match the weights fails strictly.
+    let toml2 = dir.join("wrong.toml");
+    std::fs::write(&toml2, "name = \"my_hybrid\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"attention\"]\n").unwrap();
+    let registry = mlex_models::build_registry(&[toml2]).unwrap();
+    let e = match mlex_models::load::load(dir.to_str().unwrap(), &registry) {
+        Ok(_) => panic!("wrong pattern loaded"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("model.layers.0"), "{e}");
+}

@@ -1,0 +1,330 @@
+//! End-to-end tests of every `mlex` subcommand on tiny fixtures, and of
+//! `generate` and `chat` on SmolLM2-135M-Instruct.
+
+use assert_cmd::Command;
+use mlex_testkit::*;
+use serde_json::Value;
+use std::path::PathBuf;
+
+fn mlex() -> Command {
+    let mut c = Command::cargo_bin("mlex").unwrap();
+    c.env_remove("MLEX_ARCH_PATH");
+    c
+}
+
+fn fixture_path(name: &str) -> Option<PathBuf> {
+    fixture(name).map(|f| path_of(&f))
+}
+
+fn last_json(out: &[u8]) -> Value {
+    let text = String::from_utf8_lossy(out);
+    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{')).expect("a JSON line");
+    serde_json::from_str(line).unwrap()
+}
+
+fn ids_arg(ids: &[i32]) -> String {
+    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+}
+
+#[test]
+fn help_has_examples_for_every_subcommand() {
+    let out = mlex().arg("--help").assert().success().get_output().stdout.clone();
+    let text = String::from_utf8_lossy(&out);
+    for sub in ["generate", "chat", "bench", "inspect", "list", "logits", "env"] {
+        assert!(text.contains(sub), "--help lists {sub}");
+        let out = mlex().args([sub, "--help"]).assert().success().get_output().stdout.clone();
+        let t = String::from_utf8_lossy(&out);
+        assert!(t.contains("Examples:") && t.contains(&format!("mlex {sub}")), "{sub} --help has examples:\n{t}");
+    }
+}
+
+#[test]
+fn list_shows_architectures_and_kinds_with_origins() {
+    let out = mlex().args(["list", "--format", "json"]).assert().success().get_output().stdout.clone();
+    let v = last_json(&out);
+    let items = v["registered"].as_array().unwrap();
+    for name in ["llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "qwen3_5_text", "nemotron_h", "dhara_ar"] {
+        let it = items.iter().find(|i| i["name"] == name).unwrap_or_else(|| panic!("{name} listed"));
+        assert_eq!(it["what"], "architecture");
+        assert!(it["origin"].as_str().unwrap().starts_with("mlex_models::models::"));
+    }
+    for kind in ["attention", "gated_delta", "mamba2", "mlp", "moe"] {
+        assert!(items.iter().any(|i| i["name"] == kind && i["what"] == "layer kind"), "{kind}");
+    }
+    let toml = tempfile::NamedTempFile::with_suffix(".toml").unwrap();
+    std::fs::write(toml.path(), "name = \"mine\"\nbase = \"llama\"\n[layers]\npattern = [\"attention\"]\n").unwrap();
+    let out = mlex().args(["list", "--arch-file"]).arg(toml.path()).assert().success().get_output().stdout.clone();
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.contains("mine") && text.contains(toml.path().file_name().unwrap().to_str().unwrap()), "{text}");
+}
+
+#[test]
+fn inspect_shows_plan_schedule_and_weights() {
+    let Some(p) = fixture_path("qwen3_next-q4") else { return };
+    let out = mlex().args(["inspect", "--format", "json", "--model"]).arg(&p).assert().success().get_output().stdout.clone();
+    let v = last_json(&out);
+    assert_eq!(v["architecture"], "qwen3_next");
+    let kinds: Vec<&str> = v["layers"].as_array().unwrap().iter().map(|l| l["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["gated_delta", "gated_delta", "gated_delta", "attention"]);
+    assert_eq!(v["segments"], 2);
+    assert_eq!(v["schedule"], "[E H0 T0 H1 T1 H2 T2 H3] G3 [T3 L]");
+    assert!(v["quantization"].as_str().unwrap().starts_with("4-bit affine, group 64"));
+    assert!(v["parameters"].as_u64().unwrap() > 0);
+    let out = mlex().args(["inspect", "--model"]).arg(&p).assert().success().get_output().stdout.clone();
+    let text = String::from_utf8_lossy(&out);
+    assert!(text.contains("gated_delta") && text.contains("decode step"), "{text}");
+}
+
+#[test]
+fn logits_match_the_reference() {
+    let Some(f) = fixture("llama-f32") else { return };
+    let r = reference(&f);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("l.npy");
+    mlex()
+        .args(["logits", "--model"])
+        .arg(path_of(&f))
+        .args(["--prompt-ids", &ids_arg(&r.prompt), "--out"])
+        .arg(&out)
+        .assert()
+        .success();
+    let got = mlx_rs::Array::load_numpy(&out).unwrap();
+    assert_eq!(got.shape(), &[r.prompt.len() as i32, 256]);
+    let (d, m) = max_diff(&to_f32(&got), &to_f32(&r.logits_full));
+    assert!(d <= 1e-4 * m.max(1.0), "{d}");
+}
+
+#[test]
+fn generate_json_matches_mlx_lm_greedy_tokens() {
+    for name in ["qwen3_5-f32", "nemotron_h-f32"] {
+        let Some(f) = fixture(name) else { return };
+        let r = reference(&f);
+        for compile in [true, false] {
+            let mut cmd = mlex();
+            cmd.args(["generate", "--model"])
+                .arg(path_of(&f))
+                .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-tokens", "32", "--temp", "0", "--format", "json"]);
+            if !compile {
+                cmd.arg("--no-compile");
+            }
+            let v = last_json(&cmd.assert().success().get_output().stdout.clone());
+            let ids: Vec<i32> = v["token_ids"].as_array().unwrap().iter().map(|t| t.as_i64().unwrap() as i32).collect();
+            assert_eq!(ids, r.greedy, "{name} compile={compile}");
+            assert_eq!(v["prompt_tokens"], r.prompt.len());
+            assert_eq!(v["generated_tokens"], 32);
+            assert_eq!(v["compiled"], compile);
+            for k in ["prefill_tok_s", "decode_tok_s"] {
+                assert!(v[k].as_f64().unwrap() > 0.0, "{k}");
+            }
+            assert!(v.get("text").is_some());
+        }
+    }
+}
+
+#[test]
+fn bench_reports_speed_and_memory() {
+    let Some(p) = fixture_path("qwen3_5-q4") else { return };
+    let out = mlex()
+        .args(["bench", "--prompt-len", "16", "--gen", "8", "--format", "json", "--model"])
+        .arg(&p)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    assert!(v["prefill_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(v["decode_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(v["peak_memory_bytes"].as_u64().unwrap() > 0);
+    assert_eq!(v["generated_tokens"], 8);
+}
+
+#[test]
+fn env_reports_the_runtime() {
+    let out = mlex().args(["env", "--format", "json"]).assert().success().get_output().stdout.clone();
+    let v = last_json(&out);
+    assert!(v["mlx_version"].as_str().unwrap().starts_with("0.32"));
+    assert_eq!(v["matmul_check"]["ok"], true);
+    assert!(v["libmlx"].as_str().unwrap_or("").contains("libmlx"));
+}
+
+#[test]
+fn bad_options_and_inputs_are_clear_errors() {
+    let Some(p) = fixture_path("llama-f32") else { return };
+    for (opt, val) in [("--top-p", "1.5"), ("--temp", "-1"), ("--min-p", "2"), ("--repetition-penalty", "0"), ("--logit-bias", "9999=1")] {
+        let out = mlex()
+            .args(["generate", "--prompt-ids", "1,2,3", &format!("{opt}={val}"), "--model"])
+            .arg(&p)
+            .assert()
+            .failure()
+            .get_output()
+            .stderr
+            .clone();
+        let e = String::from_utf8_lossy(&out);
+        assert!(e.contains(opt) && e.starts_with("error:"), "{opt}: {e}");
+        assert!(!e.contains("panicked"), "{e}");
+    }
+    let out = mlex().args(["generate", "--prompt-ids", "1", "--model", "/no/such/model"]).assert().failure().get_output().stderr.clone();
+    assert!(String::from_utf8_lossy(&out).contains("/no/such/model"));
+    // A prompt longer than the context.
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&p).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    let cfg = dir.path().join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["max_position_embeddings"] = 8.into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let out = mlex()
+        .args(["generate", "--prompt-ids", "1,2,3,4,5,6,7,8,9,10", "--model"])
+        .arg(dir.path())
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(e.contains("exceeds the context of 8"), "{e}");
+    let out = mlex().args(["generate", "--model"]).arg(dir.path()).args(["--prompt", "hello"]).assert().failure().get_output().stderr.clone();
+    assert!(String::from_utf8_lossy(&out).contains("tokenizer.json"));
+}
+
+#[test]
+fn a_repo_id_resolves_from_the_local_hugging_face_cache() {
+    let Some(p) = fixture_path("llama-q4") else { return };
+    let home = tempfile::tempdir().unwrap();
+    let repo = home.path().join("hub/models--acme--tiny-llama");
+    let snap = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+    for e in std::fs::read_dir(&p).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), snap.join(e.file_name())).unwrap();
+    }
+    let out = mlex()
+        .env("HF_HOME", home.path())
+        .env_remove("HF_HUB_CACHE")
+        .args(["inspect", "--format", "json", "--model", "acme/tiny-llama"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    assert_eq!(last_json(&out)["architecture"], "llama");
+    let out = mlex()
+        .env("HF_HOME", home.path())
+        .args(["inspect", "--model", "acme/absent"])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    assert!(String::from_utf8_lossy(&out).contains("Hugging Face cache"));
+}
+
+fn smollm2() -> Option<PathBuf> {
+    fixture_path("smollm2-gguf")
+}
+
+#[test]
+fn smollm2_answers_paris() {
+    let Some(g) = smollm2() else { return };
+    let out = mlex()
+        .args(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "40", "--format", "json", "--model"])
+        .arg(&g)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
+    assert_eq!(v["finish_reason"], "eos");
+    // Text mode streams the answer to stdout.
+    let out = mlex()
+        .args(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "40", "--model"])
+        .arg(&g)
+        .assert()
+        .success()
+        .get_output()
+        .clone();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Paris"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tok/s"));
+    // A stop string cuts the text before it.
+    let out = mlex()
+        .args(["generate", "--prompt", "What is the capital of France?", "--stop", "Paris", "--format", "json", "--model"])
+        .arg(&g)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    assert_eq!(v["finish_reason"], "stop");
+    assert!(!v["text"].as_str().unwrap().contains("Paris"));
+    // Same seed, same sampled output.
+    let sample = |seed: &str| {
+        let out = mlex()
+            .args(["generate", "--prompt", "Tell me a story.", "--max-tokens", "12", "--temp", "0.9", "--top-p", "0.95", "--seed", seed, "--format", "json", "--model"])
+            .arg(&g)
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        last_json(&out)["token_ids"].clone()
+    };
+    assert_eq!(sample("3"), sample("3"));
+}
+
+#[test]
+fn chat_second_turn_prefills_only_new_tokens() {
+    let Some(g) = smollm2() else { return };
+    let out = mlex()
+        .args(["chat", "--format", "json", "--max-tokens", "30", "--model"])
+        .arg(&g)
+        .write_stdin("What is the capital of France?\nAnd of Italy?\n/quit\nnot read\n")
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let turns: Vec<Value> = String::from_utf8_lossy(&out)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(turns.len(), 2, "/quit ends the chat");
+    let (t1, t2) = (&turns[0], &turns[1]);
+    assert!(t1["text"].as_str().unwrap().contains("Paris"));
+    assert_eq!(t1["reused_prompt_tokens"], 0);
+    // Everything turn 1 fed the model (its prompt and every generated token;
+    // the pipelined loop had already fed the final end-of-turn token) is
+    // reused; only the new tokens are computed.
+    assert_eq!(t1["finish_reason"], "eos");
+    let fed = t1["prompt_tokens"].as_u64().unwrap() + t1["generated_tokens"].as_u64().unwrap();
+    assert_eq!(t2["reused_prompt_tokens"].as_u64().unwrap(), fed, "{t1}\n{t2}");
+    let new = t2["prompt_tokens"].as_u64().unwrap() - fed;
+    assert_eq!(t2["prefilled_tokens"].as_u64().unwrap(), new);
+    assert!(new < 20, "only the new turn is prefilled ({new} tokens)");
+
+    // /reset starts over: the same first question again.
+    let out = mlex()
+        .args(["chat", "--format", "json", "--max-tokens", "8", "--model"])
+        .arg(&g)
+        .write_stdin("Hi\n/reset\nHi\n")
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let turns: Vec<Value> = String::from_utf8_lossy(&out)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(turns.len(), 2);
+    assert_eq!(turns[0]["prompt_tokens"], turns[1]["prompt_tokens"]);
+}

@@ -157,7 +157,13 @@ fn hash_tree(hash: &mut u64, root: &Path, dir: &Path) {
         if path.is_dir() {
             hash_tree(hash, root, &path);
         } else {
-            fnv(hash, path.strip_prefix(root).unwrap().to_string_lossy().as_bytes());
+            fnv(
+                hash,
+                path.strip_prefix(root)
+                    .unwrap()
+                    .to_string_lossy()
+                    .as_bytes(),
+            );
             fnv(hash, &fs::read(&path).unwrap());
         }
     }

@@ -46,7 +46,10 @@ pub fn fetch(url: &str, sha256: &str) -> Result<PathBuf> {
         if sha256_file(&path)? == sha256 {
             return Ok(path);
         }
-        eprintln!("xtask: {} has the wrong sha256; downloading again", path.display());
+        eprintln!(
+            "xtask: {} has the wrong sha256; downloading again",
+            path.display()
+        );
         fs::remove_file(&path)?;
     }
     eprintln!("xtask: downloading {url}");
@@ -86,7 +89,11 @@ pub fn fetch(url: &str, sha256: &str) -> Result<PathBuf> {
         bail!("{url}: sha256 is {got}, expected {sha256} ({total} bytes); refusing to use it");
     }
     fs::rename(&partial, &path)?;
-    eprintln!("xtask: saved {} ({:.1} MB)", path.display(), total as f64 / 1e6);
+    eprintln!(
+        "xtask: saved {} ({:.1} MB)",
+        path.display(),
+        total as f64 / 1e6
+    );
     Ok(path)
 }
 

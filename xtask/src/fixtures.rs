@@ -33,7 +33,10 @@ pub fn fixtures() -> Result<PathBuf> {
     let py = python::venv_python()?;
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out)?;
-    eprintln!("xtask: making parity fixtures with mlx-lm into {}", out.display());
+    eprintln!(
+        "xtask: making parity fixtures with mlx-lm into {}",
+        out.display()
+    );
     let status = Command::new(&py)
         .arg(py_dir.join("fixtures.py"))
         .arg("--out")

@@ -12,7 +12,10 @@ use std::process::{Command, Stdio};
 
 fn python_ok(py: &str) -> bool {
     Command::new(py)
-        .args(["-c", "import sys, venv, ensurepip; assert sys.version_info >= (3, 10)"])
+        .args([
+            "-c",
+            "import sys, venv, ensurepip; assert sys.version_info >= (3, 10)",
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -25,12 +28,32 @@ fn system_python() -> Result<String> {
             return Ok(py.to_owned());
         }
     }
-    let root = Command::new("id").arg("-u").output().map(|o| o.stdout == b"0\n").unwrap_or(false);
-    if root && Command::new("apt-get").arg("--version").stdout(Stdio::null()).status().is_ok() {
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| o.stdout == b"0\n")
+        .unwrap_or(false);
+    if root
+        && Command::new("apt-get")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok()
+    {
         eprintln!("xtask: installing python3, python3-venv and python3-pip with apt-get");
-        let ok = Command::new("apt-get").args(["update", "-qq"]).status()?.success()
+        let ok = Command::new("apt-get")
+            .args(["update", "-qq"])
+            .status()?
+            .success()
             && Command::new("apt-get")
-                .args(["install", "-y", "-qq", "python3", "python3-venv", "python3-pip"])
+                .args([
+                    "install",
+                    "-y",
+                    "-qq",
+                    "python3",
+                    "python3-venv",
+                    "python3-pip",
+                ])
                 .env("DEBIAN_FRONTEND", "noninteractive")
                 .status()?
                 .success();
@@ -55,16 +78,29 @@ pub fn venv_python() -> Result<PathBuf> {
     let system = system_python()?;
     eprintln!("xtask: creating the reference venv in {}", dir.display());
     let _ = std::fs::remove_dir_all(&dir);
-    let status = Command::new(&system).args(["-m", "venv"]).arg(&dir).status()?;
+    let status = Command::new(&system)
+        .args(["-m", "venv"])
+        .arg(&dir)
+        .status()?;
     if !status.success() {
         bail!("`{system} -m venv {}` failed", dir.display());
     }
     let status = Command::new(&py)
-        .args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "-r"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "-r",
+        ])
         .arg(&req)
         .status()?;
     if !status.success() {
-        bail!("installing {} into the venv failed (is PyPI reachable?)", req.display());
+        bail!(
+            "installing {} into the venv failed (is PyPI reachable?)",
+            req.display()
+        );
     }
     std::fs::write(&stamp, &key)?;
     Ok(py)

@@ -235,12 +235,20 @@ fn install_wheel(pin: &Pin, native: &Path) -> Result<()> {
     // The mlx-c build cache is keyed by the mlx folder's path, not its
     // contents: a new wheel must not reuse it.
     let _ = fs::remove_dir_all(native.join("mlxc-build"));
-    download::unzip(&wheel, &["mlx/lib/", "mlx/include/", "mlx/share/", "mlx_cpu.libs/"], native)?;
+    download::unzip(
+        &wheel,
+        &["mlx/lib/", "mlx/include/", "mlx/share/", "mlx_cpu.libs/"],
+        native,
+    )?;
     if !native.join("mlx/include/mlx/version.h").exists() {
         bail!("{} holds no mlx/include/mlx/version.h", wheel.display());
     }
     fs::write(&stamp, &pin.wheel_sha256)?;
-    eprintln!("xtask: MLX {} unpacked into {}", pin.version, native.display());
+    eprintln!(
+        "xtask: MLX {} unpacked into {}",
+        pin.version,
+        native.display()
+    );
     Ok(())
 }
 
@@ -302,10 +310,7 @@ fn install_mlx_c(pin: &Pin, native: &Path) -> Result<()> {
         .find(|p| p["name"] == pin.mlx_c_crate.as_str())
         .and_then(|p| p["manifest_path"].as_str())
         .context("cargo metadata does not list the mlx-c package")?;
-    let src = Path::new(manifest_path)
-        .parent()
-        .unwrap()
-        .join("src/mlx-c");
+    let src = Path::new(manifest_path).parent().unwrap().join("src/mlx-c");
     if !src.join("CMakeLists.txt").exists() {
         bail!("{} does not hold mlx-c", src.display());
     }

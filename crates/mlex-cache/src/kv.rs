@@ -24,7 +24,10 @@ fn seq_len(a: &Array) -> usize {
 
 fn zeros_like_rows(like: &Array, rows: usize) -> Result<Array> {
     let s = like.shape();
-    Ok(ops::zeros_dtype(&[s[0], s[1], rows as i32, s[3]], like.dtype())?)
+    Ok(ops::zeros_dtype(
+        &[s[0], s[1], rows as i32, s[3]],
+        like.dtype(),
+    )?)
 }
 
 fn prefix(a: &Array, n: usize) -> Result<Array> {
@@ -92,7 +95,7 @@ impl KvAccess for KvCache {
             let new_v = zeros_like_rows(values, n_steps * KV_STEP)?;
             match (self.keys.take(), self.values.take()) {
                 (Some(mut k), Some(mut v)) => {
-                    if prev % KV_STEP != 0 {
+                    if !prev.is_multiple_of(KV_STEP) {
                         k = prefix(&k, prev)?;
                         v = prefix(&v, prev)?;
                     }

@@ -236,13 +236,12 @@ impl PromptCache {
     /// `fingerprint` (the same model), else it is an error saying so.
     pub fn load(&mut self, path: &Path, fingerprint: &str) -> Result<()> {
         mlex_core::weights::validate_safetensors(path)?;
-        let (mut arrays, meta) = Array::load_safetensors_with_metadata(path).map_err(|e| {
-            Error::BadWeightsFile {
+        let (mut arrays, meta) =
+            Array::load_safetensors_with_metadata(path).map_err(|e| Error::BadWeightsFile {
                 file: path.to_owned(),
                 format: "safetensors",
                 message: e.to_string(),
-            }
-        })?;
+            })?;
         let header: SavedHeader = meta
             .get(META_KEY)
             .ok_or_else(|| Error::Cache(format!("{} is not an mlex prompt cache", path.display())))

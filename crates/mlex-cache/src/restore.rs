@@ -13,6 +13,10 @@ pub fn cache_from_tensors(kind: &str, t: &CacheTensors) -> Result<Box<dyn Cache>
         "gated_delta" => Box::new(StateCache::from_tensors("gated_delta", t)?),
         "mamba2" => Box::new(StateCache::from_tensors("mamba2", t)?),
         "conv_window" => Box::new(StateCache::from_tensors("conv_window", t)?),
-        other => return Err(Error::Cache(format!("unknown cache kind `{other}` in saved cache"))),
+        other => {
+            return Err(Error::Cache(format!(
+                "unknown cache kind `{other}` in saved cache"
+            )))
+        }
     })
 }

@@ -147,7 +147,12 @@ fn kv_trim_drops_exactly_the_last_tokens() {
     let (k2, v2) = chunk(2, 1);
     let (got, _) = kv.update_and_fetch(&k2, &v2).unwrap();
     let mut naive = ConcatKvCache::new();
-    naive.update_and_fetch(&k.try_index((.., .., ..7, ..)).unwrap(), &v.try_index((.., .., ..7, ..)).unwrap()).unwrap();
+    naive
+        .update_and_fetch(
+            &k.try_index((.., .., ..7, ..)).unwrap(),
+            &v.try_index((.., .., ..7, ..)).unwrap(),
+        )
+        .unwrap();
     let (want, _) = naive.update_and_fetch(&k2, &v2).unwrap();
     assert_eq!(vals(&got), vals(&want));
     assert_eq!(kv.trim(100), 8, "trim is bounded by what is there");
@@ -183,10 +188,17 @@ fn state_caches_hold_f32_recurrent_state_and_reject_shape_changes() {
     assert_eq!(s[0].shape(), &[1, 3, 12]);
     assert_eq!(s[0].dtype(), Dtype::Bfloat16);
     assert_eq!(s[1].shape(), &[1, 2, 8, 8]);
-    assert_eq!(s[1].dtype(), Dtype::Float32, "recurrent state is kept in f32");
+    assert_eq!(
+        s[1].dtype(),
+        Dtype::Float32,
+        "recurrent state is kept in f32"
+    );
     assert!(!gd.grows() && !gd.is_trimmable());
     assert_eq!(gd.trim(1), 0, "recurrent state cannot be trimmed");
-    let bad = vec![ops::zeros_dtype(&[1, 2, 12], Dtype::Float32).unwrap(), s[1].clone()];
+    let bad = vec![
+        ops::zeros_dtype(&[1, 2, 12], Dtype::Float32).unwrap(),
+        s[1].clone(),
+    ];
     assert!(gd.set_state(bad).is_err());
     gd.advance(5);
     assert_eq!(gd.offset(), 5);

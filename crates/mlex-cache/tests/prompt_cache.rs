@@ -36,11 +36,19 @@ fn continue_vs_full(model: &Model, mut cache: ModelCache, rest: &[i32], full: &[
 
 #[test]
 fn hybrid_prefix_restores_recurrent_state_exactly() {
-    let Some((model, prompt)) = load("qwen3_5-f32") else { return };
-    assert!(!model.make_cache(1).unwrap().is_trimmable(), "qwen3_5 keeps recurrent state");
+    let Some((model, prompt)) = load("qwen3_5-f32") else {
+        return;
+    };
+    assert!(
+        !model.make_cache(1).unwrap().is_trimmable(),
+        "qwen3_5 keeps recurrent state"
+    );
     let mut pc = PromptCache::new(4, 1 << 30);
     let a = &prompt[..16];
-    pc.insert(&u32s(a), vec![(8, run(&model, &a[..8])), (16, run(&model, a))]);
+    pc.insert(
+        &u32s(a),
+        vec![(8, run(&model, &a[..8])), (16, run(&model, a))],
+    );
 
     // A longer prompt sharing all of `a`: restore after 16, compute 3.
     let mut b = a.to_vec();
@@ -58,14 +66,19 @@ fn hybrid_prefix_restores_recurrent_state_exactly() {
 
     // The same prompt again: everything but the last token is reused.
     let hit = pc.lookup(&u32s(a)).expect("exact prompt");
-    assert_eq!(hit.reused, 8, "the last token must be recomputed; the latest snapshot before it is 8");
+    assert_eq!(
+        hit.reused, 8,
+        "the last token must be recomputed; the latest snapshot before it is 8"
+    );
     // Nothing shared: no hit.
     assert!(pc.lookup(&[a[0] as u32 + 1, 5, 6]).is_none());
 }
 
 #[test]
 fn attention_only_prefix_is_trimmed() {
-    let Some((model, prompt)) = load("llama-f32") else { return };
+    let Some((model, prompt)) = load("llama-f32") else {
+        return;
+    };
     let mut pc = PromptCache::new(4, 1 << 30);
     let a = &prompt[..16];
     pc.insert(&u32s(a), vec![(16, run(&model, a))]);
@@ -79,26 +92,38 @@ fn attention_only_prefix_is_trimmed() {
 
 #[test]
 fn bounded_by_entries_and_bytes() {
-    let Some((model, prompt)) = load("llama-f32") else { return };
+    let Some((model, prompt)) = load("llama-f32") else {
+        return;
+    };
     let mut pc = PromptCache::new(2, 1 << 30);
     for i in 0..3 {
-        let p: Vec<i32> = std::iter::once(i).chain(prompt[1..6].iter().copied()).collect();
+        let p: Vec<i32> = std::iter::once(i)
+            .chain(prompt[1..6].iter().copied())
+            .collect();
         pc.insert(&u32s(&p), vec![(p.len(), run(&model, &p))]);
     }
     assert_eq!(pc.len(), 2);
     let first: Vec<u32> = u32s(&[0, prompt[1], prompt[2], 9]);
-    assert!(pc.lookup(&first).is_none(), "the least recently used entry went first");
+    assert!(
+        pc.lookup(&first).is_none(),
+        "the least recently used entry went first"
+    );
     let one = run(&model, &prompt[..6]).nbytes();
     let mut small = PromptCache::new(10, one + one / 2);
     small.insert(&u32s(&prompt[..6]), vec![(6, run(&model, &prompt[..6]))]);
-    small.insert(&u32s(&[1, 2, 3, 4, 5, 6]), vec![(6, run(&model, &[1, 2, 3, 4, 5, 6]))]);
+    small.insert(
+        &u32s(&[1, 2, 3, 4, 5, 6]),
+        vec![(6, run(&model, &[1, 2, 3, 4, 5, 6]))],
+    );
     assert_eq!(small.len(), 1);
     assert!(small.nbytes() <= one + one / 2);
 }
 
 #[test]
 fn save_and_load_with_fingerprint() {
-    let Some(f) = fixture("nemotron_h-f32") else { return };
+    let Some(f) = fixture("nemotron_h-f32") else {
+        return;
+    };
     let registry = mlex_models::registry().unwrap();
     let loaded = mlex_models::load::load(path_of(&f).to_str().unwrap(), registry).unwrap();
     let (model, prompt) = (&loaded.model, reference(&f).prompt);
@@ -122,6 +147,9 @@ fn save_and_load_with_fingerprint() {
         .to_string();
     assert!(err.contains("another model"), "{err}");
     std::fs::write(&path, b"not a safetensors file").unwrap();
-    let err = PromptCache::new(4, 1 << 30).load(&path, &loaded.fingerprint).unwrap_err().to_string();
+    let err = PromptCache::new(4, 1 << 30)
+        .load(&path, &loaded.fingerprint)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("cache.safetensors"), "{err}");
 }

@@ -51,7 +51,10 @@ pub fn tokenizer_for(loaded: &LoadedModel) -> Result<Tokenizer> {
     match (&loaded.source, &loaded.gguf_tokenizer) {
         (ModelSource::Gguf(_), Some(g)) => Tokenizer::from_gguf(g),
         (ModelSource::Dir(d), _) => Tokenizer::from_dir(d),
-        (ModelSource::Gguf(p), None) => Err(Error::Other(format!("{} has no tokenizer metadata", p.display()))),
+        (ModelSource::Gguf(p), None) => Err(Error::Other(format!(
+            "{} has no tokenizer metadata",
+            p.display()
+        ))),
     }
 }
 
@@ -69,9 +72,9 @@ fn parse_bias(items: &[String]) -> Result<Vec<(u32, f32)>> {
                 .map_err(|_| Error::invalid("--logit-bias", format!("`{id}` is not a token id")))?;
             let b: f32 = match b.trim() {
                 "-inf" => f32::NEG_INFINITY,
-                v => v
-                    .parse()
-                    .map_err(|_| Error::invalid("--logit-bias", format!("`{v}` is not a number")))?,
+                v => v.parse().map_err(|_| {
+                    Error::invalid("--logit-bias", format!("`{v}` is not a number"))
+                })?,
             };
             Ok((id, b))
         })
@@ -79,7 +82,11 @@ fn parse_bias(items: &[String]) -> Result<Vec<(u32, f32)>> {
 }
 
 /// Generation options from the command line.
-pub fn generate_options(s: &SamplingArgs, tokenizer: Option<&Tokenizer>, vocab: usize) -> Result<GenerateOptions> {
+pub fn generate_options(
+    s: &SamplingArgs,
+    tokenizer: Option<&Tokenizer>,
+    vocab: usize,
+) -> Result<GenerateOptions> {
     let sampler = SamplerConfig {
         temp: s.temp,
         top_p: s.top_p,
@@ -108,7 +115,11 @@ pub fn generate_options(s: &SamplingArgs, tokenizer: Option<&Tokenizer>, vocab: 
 }
 
 /// The token ids of a chat (template applied) or of raw text.
-pub fn chat_tokens(tokenizer: &Tokenizer, messages: &[Message], use_template: bool) -> Result<Vec<u32>> {
+pub fn chat_tokens(
+    tokenizer: &Tokenizer,
+    messages: &[Message],
+    use_template: bool,
+) -> Result<Vec<u32>> {
     match (&tokenizer.chat_template, use_template) {
         (Some(t), true) => {
             let text = t.render(messages, true)?;

@@ -18,66 +18,162 @@ fn fixture_path(name: &str) -> Option<PathBuf> {
 
 fn last_json(out: &[u8]) -> Value {
     let text = String::from_utf8_lossy(out);
-    let line = text.lines().rev().find(|l| l.trim_start().starts_with('{')).expect("a JSON line");
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .expect("a JSON line");
     serde_json::from_str(line).unwrap()
 }
 
 fn ids_arg(ids: &[i32]) -> String {
-    ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",")
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[test]
 fn help_has_examples_for_every_subcommand() {
-    let out = mlex().arg("--help").assert().success().get_output().stdout.clone();
+    let out = mlex()
+        .arg("--help")
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
     let text = String::from_utf8_lossy(&out);
-    for sub in ["generate", "chat", "bench", "inspect", "list", "logits", "env"] {
+    for sub in [
+        "generate", "chat", "bench", "inspect", "list", "logits", "env",
+    ] {
         assert!(text.contains(sub), "--help lists {sub}");
-        let out = mlex().args([sub, "--help"]).assert().success().get_output().stdout.clone();
+        let out = mlex()
+            .args([sub, "--help"])
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
         let t = String::from_utf8_lossy(&out);
-        assert!(t.contains("Examples:") && t.contains(&format!("mlex {sub}")), "{sub} --help has examples:\n{t}");
+        assert!(
+            t.contains("Examples:") && t.contains(&format!("mlex {sub}")),
+            "{sub} --help has examples:\n{t}"
+        );
     }
 }
 
 #[test]
 fn list_shows_architectures_and_kinds_with_origins() {
-    let out = mlex().args(["list", "--format", "json"]).assert().success().get_output().stdout.clone();
+    let out = mlex()
+        .args(["list", "--format", "json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
     let v = last_json(&out);
     let items = v["registered"].as_array().unwrap();
-    for name in ["llama", "qwen2", "qwen3", "qwen3_next", "qwen3_5", "qwen3_5_text", "nemotron_h", "dhara_ar"] {
-        let it = items.iter().find(|i| i["name"] == name).unwrap_or_else(|| panic!("{name} listed"));
+    for name in [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "nemotron_h",
+        "dhara_ar",
+    ] {
+        let it = items
+            .iter()
+            .find(|i| i["name"] == name)
+            .unwrap_or_else(|| panic!("{name} listed"));
         assert_eq!(it["what"], "architecture");
-        assert!(it["origin"].as_str().unwrap().starts_with("mlex_models::models::"));
+        assert!(it["origin"]
+            .as_str()
+            .unwrap()
+            .starts_with("mlex_models::models::"));
     }
     for kind in ["attention", "gated_delta", "mamba2", "mlp", "moe"] {
-        assert!(items.iter().any(|i| i["name"] == kind && i["what"] == "layer kind"), "{kind}");
+        assert!(
+            items
+                .iter()
+                .any(|i| i["name"] == kind && i["what"] == "layer kind"),
+            "{kind}"
+        );
     }
     let toml = tempfile::NamedTempFile::with_suffix(".toml").unwrap();
-    std::fs::write(toml.path(), "name = \"mine\"\nbase = \"llama\"\n[layers]\npattern = [\"attention\"]\n").unwrap();
-    let out = mlex().args(["list", "--arch-file"]).arg(toml.path()).assert().success().get_output().stdout.clone();
+    std::fs::write(
+        toml.path(),
+        "name = \"mine\"\nbase = \"llama\"\n[layers]\npattern = [\"attention\"]\n",
+    )
+    .unwrap();
+    let out = mlex()
+        .args(["list", "--arch-file"])
+        .arg(toml.path())
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
     let text = String::from_utf8_lossy(&out);
-    assert!(text.contains("mine") && text.contains(toml.path().file_name().unwrap().to_str().unwrap()), "{text}");
+    assert!(
+        text.contains("mine") && text.contains(toml.path().file_name().unwrap().to_str().unwrap()),
+        "{text}"
+    );
 }
 
 #[test]
 fn inspect_shows_plan_schedule_and_weights() {
-    let Some(p) = fixture_path("qwen3_next-q4") else { return };
-    let out = mlex().args(["inspect", "--format", "json", "--model"]).arg(&p).assert().success().get_output().stdout.clone();
+    let Some(p) = fixture_path("qwen3_next-q4") else {
+        return;
+    };
+    let out = mlex()
+        .args(["inspect", "--format", "json", "--model"])
+        .arg(&p)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
     let v = last_json(&out);
     assert_eq!(v["architecture"], "qwen3_next");
-    let kinds: Vec<&str> = v["layers"].as_array().unwrap().iter().map(|l| l["kind"].as_str().unwrap()).collect();
-    assert_eq!(kinds, ["gated_delta", "gated_delta", "gated_delta", "attention"]);
+    let kinds: Vec<&str> = v["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["gated_delta", "gated_delta", "gated_delta", "attention"]
+    );
     assert_eq!(v["segments"], 2);
     assert_eq!(v["schedule"], "[E H0 T0 H1 T1 H2 T2 H3] G3 [T3 L]");
-    assert!(v["quantization"].as_str().unwrap().starts_with("4-bit affine, group 64"));
+    assert!(v["quantization"]
+        .as_str()
+        .unwrap()
+        .starts_with("4-bit affine, group 64"));
     assert!(v["parameters"].as_u64().unwrap() > 0);
-    let out = mlex().args(["inspect", "--model"]).arg(&p).assert().success().get_output().stdout.clone();
+    let out = mlex()
+        .args(["inspect", "--model"])
+        .arg(&p)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
     let text = String::from_utf8_lossy(&out);
-    assert!(text.contains("gated_delta") && text.contains("decode step"), "{text}");
+    assert!(
+        text.contains("gated_delta") && text.contains("decode step"),
+        "{text}"
+    );
 }
 
 #[test]
 fn logits_match_the_reference() {
-    let Some(f) = fixture("llama-f32") else { return };
+    let Some(f) = fixture("llama-f32") else {
+        return;
+    };
     let r = reference(&f);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("l.npy");
@@ -101,14 +197,26 @@ fn generate_json_matches_mlx_lm_greedy_tokens() {
         let r = reference(&f);
         for compile in [true, false] {
             let mut cmd = mlex();
-            cmd.args(["generate", "--model"])
-                .arg(path_of(&f))
-                .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-tokens", "32", "--temp", "0", "--format", "json"]);
+            cmd.args(["generate", "--model"]).arg(path_of(&f)).args([
+                "--prompt-ids",
+                &ids_arg(&r.prompt),
+                "--max-tokens",
+                "32",
+                "--temp",
+                "0",
+                "--format",
+                "json",
+            ]);
             if !compile {
                 cmd.arg("--no-compile");
             }
             let v = last_json(&cmd.assert().success().get_output().stdout.clone());
-            let ids: Vec<i32> = v["token_ids"].as_array().unwrap().iter().map(|t| t.as_i64().unwrap() as i32).collect();
+            let ids: Vec<i32> = v["token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_i64().unwrap() as i32)
+                .collect();
             assert_eq!(ids, r.greedy, "{name} compile={compile}");
             assert_eq!(v["prompt_tokens"], r.prompt.len());
             assert_eq!(v["generated_tokens"], 32);
@@ -123,9 +231,20 @@ fn generate_json_matches_mlx_lm_greedy_tokens() {
 
 #[test]
 fn bench_reports_speed_and_memory() {
-    let Some(p) = fixture_path("qwen3_5-q4") else { return };
+    let Some(p) = fixture_path("qwen3_5-q4") else {
+        return;
+    };
     let out = mlex()
-        .args(["bench", "--prompt-len", "16", "--gen", "8", "--format", "json", "--model"])
+        .args([
+            "bench",
+            "--prompt-len",
+            "16",
+            "--gen",
+            "8",
+            "--format",
+            "json",
+            "--model",
+        ])
         .arg(&p)
         .assert()
         .success()
@@ -141,7 +260,13 @@ fn bench_reports_speed_and_memory() {
 
 #[test]
 fn env_reports_the_runtime() {
-    let out = mlex().args(["env", "--format", "json"]).assert().success().get_output().stdout.clone();
+    let out = mlex()
+        .args(["env", "--format", "json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
     let v = last_json(&out);
     assert!(v["mlx_version"].as_str().unwrap().starts_with("0.32"));
     assert_eq!(v["matmul_check"]["ok"], true);
@@ -150,10 +275,24 @@ fn env_reports_the_runtime() {
 
 #[test]
 fn bad_options_and_inputs_are_clear_errors() {
-    let Some(p) = fixture_path("llama-f32") else { return };
-    for (opt, val) in [("--top-p", "1.5"), ("--temp", "-1"), ("--min-p", "2"), ("--repetition-penalty", "0"), ("--logit-bias", "9999=1")] {
+    let Some(p) = fixture_path("llama-f32") else {
+        return;
+    };
+    for (opt, val) in [
+        ("--top-p", "1.5"),
+        ("--temp", "-1"),
+        ("--min-p", "2"),
+        ("--repetition-penalty", "0"),
+        ("--logit-bias", "9999=1"),
+    ] {
         let out = mlex()
-            .args(["generate", "--prompt-ids", "1,2,3", &format!("{opt}={val}"), "--model"])
+            .args([
+                "generate",
+                "--prompt-ids",
+                "1,2,3",
+                &format!("{opt}={val}"),
+                "--model",
+            ])
             .arg(&p)
             .assert()
             .failure()
@@ -164,7 +303,13 @@ fn bad_options_and_inputs_are_clear_errors() {
         assert!(e.contains(opt) && e.starts_with("error:"), "{opt}: {e}");
         assert!(!e.contains("panicked"), "{e}");
     }
-    let out = mlex().args(["generate", "--prompt-ids", "1", "--model", "/no/such/model"]).assert().failure().get_output().stderr.clone();
+    let out = mlex()
+        .args(["generate", "--prompt-ids", "1", "--model", "/no/such/model"])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
     assert!(String::from_utf8_lossy(&out).contains("/no/such/model"));
     // A prompt longer than the context.
     let dir = tempfile::tempdir().unwrap();
@@ -177,7 +322,12 @@ fn bad_options_and_inputs_are_clear_errors() {
     v["max_position_embeddings"] = 8.into();
     std::fs::write(&cfg, v.to_string()).unwrap();
     let out = mlex()
-        .args(["generate", "--prompt-ids", "1,2,3,4,5,6,7,8,9,10", "--model"])
+        .args([
+            "generate",
+            "--prompt-ids",
+            "1,2,3,4,5,6,7,8,9,10",
+            "--model",
+        ])
         .arg(dir.path())
         .assert()
         .failure()
@@ -186,13 +336,23 @@ fn bad_options_and_inputs_are_clear_errors() {
         .clone();
     let e = String::from_utf8_lossy(&out);
     assert!(e.contains("exceeds the context of 8"), "{e}");
-    let out = mlex().args(["generate", "--model"]).arg(dir.path()).args(["--prompt", "hello"]).assert().failure().get_output().stderr.clone();
+    let out = mlex()
+        .args(["generate", "--model"])
+        .arg(dir.path())
+        .args(["--prompt", "hello"])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
     assert!(String::from_utf8_lossy(&out).contains("tokenizer.json"));
 }
 
 #[test]
 fn a_repo_id_resolves_from_the_local_hugging_face_cache() {
-    let Some(p) = fixture_path("llama-q4") else { return };
+    let Some(p) = fixture_path("llama-q4") else {
+        return;
+    };
     let home = tempfile::tempdir().unwrap();
     let repo = home.path().join("hub/models--acme--tiny-llama");
     let snap = repo.join("snapshots/0123abcd");
@@ -232,7 +392,16 @@ fn smollm2() -> Option<PathBuf> {
 fn smollm2_answers_paris() {
     let Some(g) = smollm2() else { return };
     let out = mlex()
-        .args(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "40", "--format", "json", "--model"])
+        .args([
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-tokens",
+            "40",
+            "--format",
+            "json",
+            "--model",
+        ])
         .arg(&g)
         .assert()
         .success()
@@ -244,7 +413,14 @@ fn smollm2_answers_paris() {
     assert_eq!(v["finish_reason"], "eos");
     // Text mode streams the answer to stdout.
     let out = mlex()
-        .args(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "40", "--model"])
+        .args([
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-tokens",
+            "40",
+            "--model",
+        ])
         .arg(&g)
         .assert()
         .success()
@@ -254,7 +430,16 @@ fn smollm2_answers_paris() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("tok/s"));
     // A stop string cuts the text before it.
     let out = mlex()
-        .args(["generate", "--prompt", "What is the capital of France?", "--stop", "Paris", "--format", "json", "--model"])
+        .args([
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--stop",
+            "Paris",
+            "--format",
+            "json",
+            "--model",
+        ])
         .arg(&g)
         .assert()
         .success()
@@ -267,7 +452,22 @@ fn smollm2_answers_paris() {
     // Same seed, same sampled output.
     let sample = |seed: &str| {
         let out = mlex()
-            .args(["generate", "--prompt", "Tell me a story.", "--max-tokens", "12", "--temp", "0.9", "--top-p", "0.95", "--seed", seed, "--format", "json", "--model"])
+            .args([
+                "generate",
+                "--prompt",
+                "Tell me a story.",
+                "--max-tokens",
+                "12",
+                "--temp",
+                "0.9",
+                "--top-p",
+                "0.95",
+                "--seed",
+                seed,
+                "--format",
+                "json",
+                "--model",
+            ])
             .arg(&g)
             .assert()
             .success()
@@ -305,7 +505,11 @@ fn chat_second_turn_prefills_only_new_tokens() {
     // reused; only the new tokens are computed.
     assert_eq!(t1["finish_reason"], "eos");
     let fed = t1["prompt_tokens"].as_u64().unwrap() + t1["generated_tokens"].as_u64().unwrap();
-    assert_eq!(t2["reused_prompt_tokens"].as_u64().unwrap(), fed, "{t1}\n{t2}");
+    assert_eq!(
+        t2["reused_prompt_tokens"].as_u64().unwrap(),
+        fed,
+        "{t1}\n{t2}"
+    );
     let new = t2["prompt_tokens"].as_u64().unwrap() - fed;
     assert_eq!(t2["prefilled_tokens"].as_u64().unwrap(), new);
     assert!(new < 20, "only the new turn is prefilled ({new} tokens)");

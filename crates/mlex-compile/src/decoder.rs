@@ -45,7 +45,9 @@ impl SegmentFn {
     fn run(&self, inputs: &[Array]) -> std::result::Result<Vec<Array>, Exception> {
         let n_state: usize = self.state_counts.iter().sum();
         if inputs.len() != self.n_carry + n_state + self.param_ids.len() {
-            return Err(Exception::custom("compiled segment called with the wrong inputs"));
+            return Err(Exception::custom(
+                "compiled segment called with the wrong inputs",
+            ));
         }
         let mut carry: Vec<Array> = inputs[..self.n_carry].to_vec();
         let mut states: Vec<Vec<Array>> = Vec::with_capacity(self.state_counts.len());
@@ -59,7 +61,12 @@ impl SegmentFn {
             slots[id.index()] = Some(a.clone());
         }
         let p = Params::overlay(&slots);
-        let slot_of = |i: usize| self.layers.iter().position(|(l, _)| *l == i).expect("touched");
+        let slot_of = |i: usize| {
+            self.layers
+                .iter()
+                .position(|(l, _)| *l == i)
+                .expect("touched")
+        };
         for phase in &self.phases {
             match *phase {
                 Phase::Embed => {
@@ -104,7 +111,9 @@ impl SegmentedDecoder {
     pub fn new(model: &Model) -> Self {
         let grows: Vec<bool> = model.layers.iter().map(|s| s.layer.grows()).collect();
         let schedule = Schedule::new(&grows);
-        let traces = (0..schedule.num_segments()).map(|_| CompiledTrace::new()).collect();
+        let traces = (0..schedule.num_segments())
+            .map(|_| CompiledTrace::new())
+            .collect();
         Self { schedule, traces }
     }
 
@@ -115,7 +124,10 @@ impl SegmentedDecoder {
 
     /// How often each segment has been traced.
     pub fn times_traced(&self) -> Vec<usize> {
-        self.traces.iter().map(CompiledTrace::times_traced).collect()
+        self.traces
+            .iter()
+            .map(CompiledTrace::times_traced)
+            .collect()
     }
 
     /// One decode step: `tokens` `[B, 1]` → logits `[B, V]`; updates `cache`.
@@ -123,7 +135,10 @@ impl SegmentedDecoder {
         if tokens.ndim() != 2 || tokens.shape()[1] != 1 {
             return Err(Error::invalid(
                 "tokens",
-                format!("compiled decode takes [B, 1] tokens, got {:?}", tokens.shape()),
+                format!(
+                    "compiled decode takes [B, 1] tokens, got {:?}",
+                    tokens.shape()
+                ),
             ));
         }
         if cache.layers.len() != model.layers.len() {

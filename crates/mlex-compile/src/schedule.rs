@@ -145,7 +145,10 @@ mod tests {
             s.render(),
             "[E H0 T0 H1 T1 H2 T2 H3] G3 [T3 H4 T4 H5 T5 H6 T6 H7] G7 [T7 L]"
         );
-        assert_eq!(Schedule::layers_of(&[Phase::Tail(3), Phase::Head(4), Phase::Tail(4)]), vec![3, 4]);
+        assert_eq!(
+            Schedule::layers_of(&[Phase::Tail(3), Phase::Head(4), Phase::Tail(4)]),
+            vec![3, 4]
+        );
     }
 
     proptest! {

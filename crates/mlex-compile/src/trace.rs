@@ -45,7 +45,12 @@ impl CompiledTrace {
     /// there is none yet or `key` differs from the one it was built for.
     /// `make` returns the function to trace; it must read arrays only from
     /// its argument.
-    pub fn call<F>(&mut self, key: u64, inputs: &[Array], make: impl FnOnce() -> F) -> Result<Vec<Array>>
+    pub fn call<F>(
+        &mut self,
+        key: u64,
+        inputs: &[Array],
+        make: impl FnOnce() -> F,
+    ) -> Result<Vec<Array>>
     where
         F: FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception> + 'static,
     {

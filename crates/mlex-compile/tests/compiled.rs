@@ -14,7 +14,11 @@ fn values(a: &Array) -> Vec<f32> {
 #[test]
 fn compiled_trace_reads_weights_as_inputs_and_sees_updates() {
     let mut t = CompiledTrace::new();
-    let f = || |args: &[Array]| -> Result<Vec<Array>, Exception> { Ok(vec![ops::matmul(&args[0], &args[1])?]) };
+    let f = || {
+        |args: &[Array]| -> Result<Vec<Array>, Exception> {
+            Ok(vec![ops::matmul(&args[0], &args[1])?])
+        }
+    };
     let x = Array::from_slice(&[1f32, 2.0], &[1, 2]);
     let w1 = Array::from_slice(&[1f32, 0.0, 0.0, 1.0], &[2, 2]);
     let w2 = Array::from_slice(&[2f32, 0.0, 0.0, 3.0], &[2, 2]);
@@ -36,23 +40,35 @@ fn compiled_trace_reads_weights_as_inputs_and_sees_updates() {
 fn traces_of_identical_shapes_stay_separate() {
     // Two closures of the same type, differing only in a captured scalar,
     // called interleaved with identical input shapes.
-    let make = |k: f32| move || move |args: &[Array]| -> Result<Vec<Array>, Exception> {
-        Ok(vec![ops::multiply(&args[0], Array::from_f32(k))?])
+    let make = |k: f32| {
+        move || {
+            move |args: &[Array]| -> Result<Vec<Array>, Exception> {
+                Ok(vec![ops::multiply(&args[0], Array::from_f32(k))?])
+            }
+        }
     };
     let mut traces: Vec<CompiledTrace> = (0..4).map(|_| CompiledTrace::new()).collect();
     let x = Array::from_slice(&[1f32, 2.0, 3.0], &[3]);
     for round in 0..2 {
         for (i, t) in traces.iter_mut().enumerate() {
-            let out = t.call(7, &[x.clone()], make(i as f32 + 1.0)).unwrap();
+            let out = t.call(7, std::slice::from_ref(&x), make(i as f32 + 1.0)).unwrap();
             let k = i as f32 + 1.0;
-            assert_eq!(values(&out[0]), vec![k, 2.0 * k, 3.0 * k], "trace {i}, round {round}");
+            assert_eq!(
+                values(&out[0]),
+                vec![k, 2.0 * k, 3.0 * k],
+                "trace {i}, round {round}"
+            );
         }
     }
     assert!(traces.iter().all(|t| t.times_traced() == 1));
 }
 
 /// Greedy-decodes `n` tokens with the compiled decoder.
-fn compiled_greedy(model: &mlex_core::model::Model, prompt: &[i32], n: usize) -> (Vec<i32>, Vec<Vec<f32>>, SegmentedDecoder) {
+fn compiled_greedy(
+    model: &mlex_core::model::Model,
+    prompt: &[i32],
+    n: usize,
+) -> (Vec<i32>, Vec<Vec<f32>>, SegmentedDecoder) {
     let mut dec = SegmentedDecoder::new(model);
     let mut cache = model.make_cache(1).unwrap();
     let mut logits = prefill(model, &mut cache, prompt, None);
@@ -74,7 +90,9 @@ fn compiled_decode_equals_eager_on_every_architecture() {
     let names: Vec<&Fixture> = all
         .iter()
         .filter(|f| {
-            (f.dtype == "float32" && f.quant.is_none() && f.layout != "gguf") || f.name == "qwen3_next-q4" || f.name == "nemotron_h-q4"
+            (f.dtype == "float32" && f.quant.is_none() && f.layout != "gguf")
+                || f.name == "qwen3_next-q4"
+                || f.name == "nemotron_h-q4"
         })
         .collect();
     assert!(names.len() >= 8, "expected fixtures of every architecture");
@@ -93,18 +111,31 @@ fn compiled_decode_equals_eager_on_every_architecture() {
         }
         let tol = if f.quant.is_some() { 1e-3 } else { 1e-5 };
         if compiled != eager || worst > tol {
-            failures.push(format!("{}: compiled {compiled:?} vs eager {eager:?}, logit diff {worst}", f.name));
+            failures.push(format!(
+                "{}: compiled {compiled:?} vs eager {eager:?}, logit diff {worst}",
+                f.name
+            ));
         }
         // Each segment traced once for the whole decode.
-        assert!(dec.times_traced().iter().all(|&t| t == 1), "{}: {:?}", f.name, dec.times_traced());
-        assert_eq!(dec.schedule().num_segments(), model.layers.iter().filter(|l| l.layer.grows()).count() + 1);
+        assert!(
+            dec.times_traced().iter().all(|&t| t == 1),
+            "{}: {:?}",
+            f.name,
+            dec.times_traced()
+        );
+        assert_eq!(
+            dec.schedule().num_segments(),
+            model.layers.iter().filter(|l| l.layer.grows()).count() + 1
+        );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]
 fn a_weight_update_after_compiling_changes_the_next_step() {
-    let Some(f) = fixture("qwen3_5-f32") else { return };
+    let Some(f) = fixture("qwen3_5-f32") else {
+        return;
+    };
     let registry = mlex_models::registry().unwrap();
     let mut loaded = mlex_models::load::load(path_of(&f).to_str().unwrap(), registry).unwrap();
     let r = reference(&f);
@@ -117,7 +148,9 @@ fn a_weight_update_after_compiling_changes_the_next_step() {
     // Scale the final norm: a weight read by the last compiled segment.
     let name = "language_model.model.norm.weight";
     let w = model.params.get(model.params.find(name).unwrap()).clone();
-    model.update_weight(name, ops::multiply(&w, Array::from_f32(2.0)).unwrap()).unwrap();
+    model
+        .update_weight(name, ops::multiply(&w, Array::from_f32(2.0)).unwrap())
+        .unwrap();
     let mut cache = snapshot.clone();
     let after = to_f32(&dec.step(model, &tokens(&[5]), &mut cache).unwrap());
     let (d, _) = max_diff(&after, &before);
@@ -126,6 +159,13 @@ fn a_weight_update_after_compiling_changes_the_next_step() {
     let mut cache = snapshot;
     let eager = to_f32(&model.forward_last(&tokens(&[5]), &mut cache).unwrap());
     let (d, m) = max_diff(&after, &eager);
-    assert!(d <= 1e-5 * m.max(1.0), "compiled after update differs from eager by {d}");
-    assert!(dec.times_traced().iter().all(|&t| t == 1), "a value update must not retrace: {:?}", dec.times_traced());
+    assert!(
+        d <= 1e-5 * m.max(1.0),
+        "compiled after update differs from eager by {d}"
+    );
+    assert!(
+        dec.times_traced().iter().all(|&t| t == 1),
+        "a value update must not retrace: {:?}",
+        dec.times_traced()
+    );
 }

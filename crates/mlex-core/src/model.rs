@@ -280,7 +280,6 @@ impl Model {
         self.embed.params()
     }
 
-
     /// `tokens` (`[B, T]` int) → hidden states `[B, T, D]`.
     pub fn embed_tokens(&self, p: &Params, tokens: &Array) -> Result<Array> {
         self.embed.forward(p, tokens).ctx(|| "embedding".into())
@@ -355,13 +354,10 @@ impl Model {
     /// Replaces the weight called `name` (same shape and dtype). Compiled
     /// traces built before see the new value on their next call.
     pub fn update_weight(&mut self, name: &str, array: Array) -> Result<()> {
-        let id = self
-            .params
-            .find(name)
-            .ok_or_else(|| Error::MissingTensor {
-                name: name.to_owned(),
-                files: vec![],
-            })?;
+        let id = self.params.find(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_owned(),
+            files: vec![],
+        })?;
         self.params.set(id, array)
     }
 

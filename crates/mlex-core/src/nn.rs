@@ -255,7 +255,11 @@ impl RmsNorm {
 
     /// Applies the norm.
     pub fn forward(&self, p: &Params, x: &Array) -> Result<Array> {
-        Ok(mlx_rs::fast::rms_norm(x, Some(p.get(self.weight)?), self.eps)?)
+        Ok(mlx_rs::fast::rms_norm(
+            x,
+            Some(p.get(self.weight)?),
+            self.eps,
+        )?)
     }
 }
 
@@ -332,7 +336,10 @@ pub fn relu2(x: &Array) -> Result<Array> {
 
 /// `log(1 + exp(x))`, as `mlx.nn.softplus` (`logaddexp(x, 0)`).
 pub fn softplus(x: &Array) -> Result<Array> {
-    Ok(ops::logaddexp(x, Array::from_f32(0.0).as_dtype(x.dtype())?)?)
+    Ok(ops::logaddexp(
+        x,
+        Array::from_f32(0.0).as_dtype(x.dtype())?,
+    )?)
 }
 
 /// A scalar of `dtype`.

@@ -118,7 +118,10 @@ impl ParamStore {
 
     /// All `(name, array)` pairs in id order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Array)> {
-        self.names.iter().map(String::as_str).zip(self.arrays.iter())
+        self.names
+            .iter()
+            .map(String::as_str)
+            .zip(self.arrays.iter())
     }
 
     /// Total bytes of all weights.
@@ -176,15 +179,17 @@ impl<'a> Params<'a> {
     pub fn get(&self, id: ParamId) -> Result<&'a Array> {
         match self.inner {
             Inner::Store(store) => Ok(store.get(id)),
-            Inner::Overlay(slots) => slots
-                .get(id.index())
-                .and_then(Option::as_ref)
-                .ok_or_else(|| {
-                    Error::Other(format!(
+            Inner::Overlay(slots) => {
+                slots
+                    .get(id.index())
+                    .and_then(Option::as_ref)
+                    .ok_or_else(|| {
+                        Error::Other(format!(
                         "a compiled segment read weight #{} that it did not declare as an input",
                         id.0
                     ))
-                }),
+                    })
+            }
         }
     }
 }

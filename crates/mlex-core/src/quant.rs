@@ -34,10 +34,7 @@ impl QuantSpec {
         if ![32, 64, 128].contains(&self.group_size) {
             return Err(cfg.error(
                 what,
-                format!(
-                    "unsupported group_size {} (32, 64 or 128)",
-                    self.group_size
-                ),
+                format!("unsupported group_size {} (32, 64 or 128)", self.group_size),
             ));
         }
         Ok(())
@@ -76,7 +73,9 @@ impl Quantization {
                         if mode != "affine" {
                             return Err(cfg.error(
                                 path,
-                                format!("quantization mode `{mode}` is not supported (affine only)"),
+                                format!(
+                                    "quantization mode `{mode}` is not supported (affine only)"
+                                ),
                             ));
                         }
                     }

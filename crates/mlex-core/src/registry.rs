@@ -153,7 +153,11 @@ impl Registry {
     }
 
     /// Adds a layer kind; a taken name is an error naming both origins.
-    pub fn add_layer_kind(&mut self, kind: Arc<dyn LayerKind>, origin: impl Into<String>) -> Result<()> {
+    pub fn add_layer_kind(
+        &mut self,
+        kind: Arc<dyn LayerKind>,
+        origin: impl Into<String>,
+    ) -> Result<()> {
         let name = kind.name().to_owned();
         let origin = origin.into();
         if let Some(prev) = self.kinds.get(&name) {

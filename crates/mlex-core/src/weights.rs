@@ -43,8 +43,19 @@ pub fn validate_safetensors(path: &Path) -> Result<()> {
     for (name, view) in st.tensors() {
         use safetensors::Dtype as D;
         match view.dtype() {
-            D::F32 | D::F16 | D::BF16 | D::U32 | D::I32 | D::U8 | D::I8 | D::I64 | D::U64
-            | D::BOOL | D::U16 | D::I16 | D::F64 => {}
+            D::F32
+            | D::F16
+            | D::BF16
+            | D::U32
+            | D::I32
+            | D::U8
+            | D::I8
+            | D::I64
+            | D::U64
+            | D::BOOL
+            | D::U16
+            | D::I16
+            | D::F64 => {}
             other => {
                 return Err(bad(format!(
                     "tensor `{name}` has dtype {other:?}, which MLX cannot load"
@@ -138,9 +149,7 @@ impl WeightMap {
 
     /// The file a tensor came from.
     pub fn file_of(&self, name: &str) -> Option<&Path> {
-        self.tensors
-            .get(name)
-            .map(|e| self.files[e.file].as_path())
+        self.tensors.get(name).map(|e| self.files[e.file].as_path())
     }
 
     /// Renames every tensor with `f`; `None` drops it. Two tensors mapped to

@@ -8,7 +8,9 @@ use mlx_rs::{fast, ops, Array};
 /// Deterministic pseudo-random floats in [-1, 1) (a small LCG, so the
 /// reference needs nothing but arithmetic).
 fn data(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
             s = s
@@ -60,7 +62,10 @@ fn matmul_by_hand() {
     // [[1, 2], [3, 4]] @ [[5, 6], [7, 8]] = [[19, 22], [43, 50]]
     let a = Array::from_slice(&[1f32, 2., 3., 4.], &[2, 2]);
     let b = Array::from_slice(&[5f32, 6., 7., 8.], &[2, 2]);
-    assert_eq!(values(&ops::matmul(&a, &b).unwrap()), vec![19., 22., 43., 50.]);
+    assert_eq!(
+        values(&ops::matmul(&a, &b).unwrap()),
+        vec![19., 22., 43., 50.]
+    );
 }
 
 #[test]
@@ -179,14 +184,9 @@ fn safetensors_round_trip() {
     let bf = Array::from_slice(&data(6, 10), &[2, 3])
         .as_dtype(mlx_rs::Dtype::Bfloat16)
         .unwrap();
-    Array::save_safetensors(
-        [("a", &a), ("b", &b), ("c.bf16", &bf)],
-        None,
-        &path,
-    )
-    .unwrap();
+    Array::save_safetensors([("a", &a), ("b", &b), ("c.bf16", &bf)], None, &path).unwrap();
     validate_safetensors(&path).unwrap();
-    let map = WeightMap::load_safetensors(&[path.clone()]).unwrap();
+    let map = WeightMap::load_safetensors(std::slice::from_ref(&path)).unwrap();
     assert_eq!(map.names(), vec!["a", "b", "c.bf16"]);
     assert_eq!(values(map.get("a").unwrap()), values(&a));
     let got_b = map.get("b").unwrap();
@@ -208,7 +208,9 @@ fn shape_mismatch_is_an_error_not_a_panic() {
     let err: Error = ops::matmul(&a, &b).map_err(Error::from).unwrap_err();
     match &err {
         Error::Mlx { message, .. } => assert!(
-            message.contains("matmul") || message.contains("shape") || message.contains("dimension"),
+            message.contains("matmul")
+                || message.contains("shape")
+                || message.contains("dimension"),
             "unexpected message: {message}"
         ),
         other => panic!("expected an MLX error, got {other:?}"),

@@ -3,8 +3,8 @@
 //! string methods (`.strip()`, `.startswith()`, ...) and the helpers HF
 //! templates call (`raise_exception`, `strftime_now`).
 
-use mlex_core::error::{Error, Result};
 use minijinja::{context, Environment, ErrorKind, Value};
+use mlex_core::error::{Error, Result};
 use serde::Serialize;
 
 /// One chat message.
@@ -84,7 +84,9 @@ mod tests {
     #[test]
     fn chatml_renders_with_default_system_and_python_methods() {
         let t = ChatTemplate::new(CHATML, None, None).unwrap();
-        let out = t.render(&[Message::new("user", "  Hi there ")], true).unwrap();
+        let out = t
+            .render(&[Message::new("user", "  Hi there ")], true)
+            .unwrap();
         assert_eq!(
             out,
             "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
@@ -95,9 +97,18 @@ mod tests {
     fn explicit_system_prompt_replaces_the_default() {
         let t = ChatTemplate::new(CHATML, None, None).unwrap();
         let out = t
-            .render(&[Message::new("system", "Be brief."), Message::new("user", "Q")], false)
+            .render(
+                &[
+                    Message::new("system", "Be brief."),
+                    Message::new("user", "Q"),
+                ],
+                false,
+            )
             .unwrap();
-        assert_eq!(out, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n");
+        assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n"
+        );
     }
 
     #[test]

@@ -41,9 +41,13 @@ impl<'t> StreamingDetokenizer<'t> {
         // it (SentencePiece-style decoders); decode with one token of
         // context and keep what follows.
         let piece = if self.start > 0 {
-            let ctx = self.tokenizer.decode(&self.tokens[self.start - 1..self.start])?;
+            let ctx = self
+                .tokenizer
+                .decode(&self.tokens[self.start - 1..self.start])?;
             let both = self.tokenizer.decode(&self.tokens[self.start - 1..])?;
-            both.strip_prefix(ctx.as_str()).map(str::to_owned).unwrap_or(pending)
+            both.strip_prefix(ctx.as_str())
+                .map(str::to_owned)
+                .unwrap_or(pending)
         } else {
             pending
         };

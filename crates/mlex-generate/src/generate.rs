@@ -175,7 +175,10 @@ impl Generator {
         }
         let vocab = self.model.vocab_size() as usize;
         if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(Error::invalid("prompt", format!("token id {bad} is outside the vocabulary of {vocab}")));
+            return Err(Error::invalid(
+                "prompt",
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
         }
         let limit = self.model.max_context.unwrap_or(usize::MAX);
         if prompt.len() >= limit {
@@ -235,7 +238,9 @@ impl Generator {
             } else {
                 None
             };
-            let tok = y.try_item_exact::<u32>().map_err(|e| Error::Other(e.to_string()))?;
+            let tok = y
+                .try_item_exact::<u32>()
+                .map_err(|e| Error::Other(e.to_string()))?;
             if first_at.is_none() {
                 first_at = Some(Instant::now());
             }

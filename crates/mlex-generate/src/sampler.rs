@@ -49,16 +49,28 @@ impl SamplerConfig {
     /// Checks every value; errors name the command-line option.
     pub fn validate(&self, vocab: usize) -> Result<()> {
         if !self.temp.is_finite() || self.temp < 0.0 {
-            return Err(Error::invalid("--temp", format!("{} (must be a finite number ≥ 0)", self.temp)));
+            return Err(Error::invalid(
+                "--temp",
+                format!("{} (must be a finite number ≥ 0)", self.temp),
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::invalid("--top-p", format!("{} (must be in (0, 1])", self.top_p)));
+            return Err(Error::invalid(
+                "--top-p",
+                format!("{} (must be in (0, 1])", self.top_p),
+            ));
         }
         if self.top_k > vocab {
-            return Err(Error::invalid("--top-k", format!("{} (the vocabulary has {vocab} tokens)", self.top_k)));
+            return Err(Error::invalid(
+                "--top-k",
+                format!("{} (the vocabulary has {vocab} tokens)", self.top_k),
+            ));
         }
         if !(0.0..1.0).contains(&self.min_p) {
-            return Err(Error::invalid("--min-p", format!("{} (must be in [0, 1))", self.min_p)));
+            return Err(Error::invalid(
+                "--min-p",
+                format!("{} (must be in [0, 1))", self.min_p),
+            ));
         }
         if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
             return Err(Error::invalid(
@@ -68,10 +80,16 @@ impl SamplerConfig {
         }
         for (id, b) in &self.logit_bias {
             if *id as usize >= vocab {
-                return Err(Error::invalid("--logit-bias", format!("token {id} is outside the vocabulary of {vocab}")));
+                return Err(Error::invalid(
+                    "--logit-bias",
+                    format!("token {id} is outside the vocabulary of {vocab}"),
+                ));
             }
             if !b.is_finite() && *b != f32::NEG_INFINITY {
-                return Err(Error::invalid("--logit-bias", format!("bias {b} for token {id} is not a number")));
+                return Err(Error::invalid(
+                    "--logit-bias",
+                    format!("bias {b} for token {id} is not a number"),
+                ));
             }
         }
         Ok(())
@@ -167,10 +185,17 @@ impl Sampler {
         if self.cfg.min_p > 0.0 {
             let probs = ops::softmax_axis(&l, -1, true)?;
             let top = probs.max_axis(-1, true)?;
-            let keep = ops::ge(&probs, ops::multiply(&top, Array::from_f32(self.cfg.min_p))?)?;
+            let keep = ops::ge(
+                &probs,
+                ops::multiply(&top, Array::from_f32(self.cfg.min_p))?,
+            )?;
             l = ops::select(&keep, &l, &neg_inf)?;
         }
-        let key = self.rng.as_mut().expect("non-greedy sampler has a stream").next_key()?;
+        let key = self
+            .rng
+            .as_mut()
+            .expect("non-greedy sampler has a stream")
+            .next_key()?;
         Ok(random::categorical(&l, -1, None, &key)?.as_dtype(Dtype::Uint32)?)
     }
 }
@@ -222,13 +247,24 @@ mod tests {
         };
         let draw = |cfg: &SamplerConfig| {
             let mut s = Sampler::new(cfg.clone(), 6).unwrap();
-            (0..40).map(|_| ids(&s.sample(&logits(), None).unwrap())[0]).collect::<Vec<_>>()
+            (0..40)
+                .map(|_| ids(&s.sample(&logits(), None).unwrap())[0])
+                .collect::<Vec<_>>()
         };
         let a = draw(&cfg);
         assert_eq!(a, draw(&cfg));
-        assert!(a.iter().all(|t| *t == 1 || *t == 3), "top-k 2 allows only ids 1 and 3: {a:?}");
-        assert!(a.contains(&1) && a.contains(&3), "both near-equal tokens appear: {a:?}");
-        let other = draw(&SamplerConfig { seed: Some(8), ..cfg });
+        assert!(
+            a.iter().all(|t| *t == 1 || *t == 3),
+            "top-k 2 allows only ids 1 and 3: {a:?}"
+        );
+        assert!(
+            a.contains(&1) && a.contains(&3),
+            "both near-equal tokens appear: {a:?}"
+        );
+        let other = draw(&SamplerConfig {
+            seed: Some(8),
+            ..cfg
+        });
         assert_ne!(a, other);
     }
 
@@ -243,7 +279,10 @@ mod tests {
         let mut s = Sampler::new(cfg, 6).unwrap();
         for _ in 0..30 {
             let t = ids(&s.sample(&logits(), None).unwrap())[0];
-            assert!(t == 1 || t == 3, "top-p 0.5 keeps the two top tokens, got {t}");
+            assert!(
+                t == 1 || t == 3,
+                "top-p 0.5 keeps the two top tokens, got {t}"
+            );
         }
         let cfg = SamplerConfig {
             temp: 1.0,
@@ -254,19 +293,58 @@ mod tests {
         let mut s = Sampler::new(cfg, 6).unwrap();
         for _ in 0..30 {
             let t = ids(&s.sample(&logits(), None).unwrap())[0];
-            assert!(t == 1 || t == 3, "min-p 0.5 keeps tokens within half the top probability, got {t}");
+            assert!(
+                t == 1 || t == 3,
+                "min-p 0.5 keeps tokens within half the top probability, got {t}"
+            );
         }
     }
 
     #[test]
     fn invalid_values_name_the_option() {
         let bad = [
-            (SamplerConfig { temp: -1.0, ..Default::default() }, "--temp"),
-            (SamplerConfig { top_p: 0.0, ..Default::default() }, "--top-p"),
-            (SamplerConfig { top_k: 99, ..Default::default() }, "--top-k"),
-            (SamplerConfig { min_p: 1.5, ..Default::default() }, "--min-p"),
-            (SamplerConfig { repetition_penalty: 0.0, ..Default::default() }, "--repetition-penalty"),
-            (SamplerConfig { logit_bias: vec![(6, 1.0)], ..Default::default() }, "--logit-bias"),
+            (
+                SamplerConfig {
+                    temp: -1.0,
+                    ..Default::default()
+                },
+                "--temp",
+            ),
+            (
+                SamplerConfig {
+                    top_p: 0.0,
+                    ..Default::default()
+                },
+                "--top-p",
+            ),
+            (
+                SamplerConfig {
+                    top_k: 99,
+                    ..Default::default()
+                },
+                "--top-k",
+            ),
+            (
+                SamplerConfig {
+                    min_p: 1.5,
+                    ..Default::default()
+                },
+                "--min-p",
+            ),
+            (
+                SamplerConfig {
+                    repetition_penalty: 0.0,
+                    ..Default::default()
+                },
+                "--repetition-penalty",
+            ),
+            (
+                SamplerConfig {
+                    logit_bias: vec![(6, 1.0)],
+                    ..Default::default()
+                },
+                "--logit-bias",
+            ),
         ];
         for (cfg, name) in bad {
             let e = Sampler::new(cfg, 6).err().expect("rejected").to_string();

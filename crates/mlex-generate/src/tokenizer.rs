@@ -46,11 +46,13 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| Error::Config {
-        file: path.to_owned(),
-        key: format!("line {}", e.line()),
-        message: e.to_string(),
-    })
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::Config {
+            file: path.to_owned(),
+            key: format!("line {}", e.line()),
+            message: e.to_string(),
+        })
 }
 
 impl Tokenizer {
@@ -80,14 +82,19 @@ impl Tokenizer {
             if let Some(v) = read_json(&dir.join(file))? {
                 match v.get("eos_token_id") {
                     Some(Value::Number(n)) => eos_ids.extend(n.as_u64().map(|x| x as u32)),
-                    Some(Value::Array(a)) => eos_ids.extend(a.iter().filter_map(Value::as_u64).map(|x| x as u32)),
+                    Some(Value::Array(a)) => {
+                        eos_ids.extend(a.iter().filter_map(Value::as_u64).map(|x| x as u32))
+                    }
                     _ => {}
                 }
             }
         }
         let bos = token_text(cfg.get("bos_token"));
         let bos_id = bos.as_deref().and_then(|t| inner.token_to_id(t));
-        let add_bos = cfg.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false);
+        let add_bos = cfg
+            .get("add_bos_token")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
         let eos = token_text(cfg.get("eos_token"));
         let template_src = match cfg.get("chat_template") {
             Some(Value::String(s)) => Some(s.clone()),
@@ -124,7 +131,9 @@ impl Tokenizer {
             )));
         }
         if g.tokens.is_empty() {
-            return Err(Error::Other("the GGUF file has no tokenizer.ggml.tokens".into()));
+            return Err(Error::Other(
+                "the GGUF file has no tokenizer.ggml.tokens".into(),
+            ));
         }
         let vocab: tokenizers::models::bpe::Vocab = g
             .tokens
@@ -173,7 +182,13 @@ impl Tokenizer {
     /// Chat templates end an assistant turn with a token of their own
     /// (`<|im_end|>`, `<|eot_id|>`, ...); generation stops there too.
     fn add_template_stop_tokens(&mut self) {
-        for t in ["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"] {
+        for t in [
+            "<|im_end|>",
+            "<|eot_id|>",
+            "<|end|>",
+            "<end_of_turn>",
+            "<|endoftext|>",
+        ] {
             if let Some(id) = self.inner.token_to_id(t) {
                 self.eos_ids.insert(id);
             }
@@ -199,7 +214,9 @@ impl Tokenizer {
 
     /// Text of `ids` (special tokens skipped).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, true).map_err(|e| tok_err("decode", e))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| tok_err("decode", e))
     }
 
     /// The id of a token's text.

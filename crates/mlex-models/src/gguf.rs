@@ -62,7 +62,9 @@ fn bad(path: &Path, message: impl Into<String>) -> Error {
 /// Walks the GGUF header (metadata and tensor descriptors) and checks that
 /// every tensor's data lies inside the file.
 pub fn validate_gguf(path: &Path) -> Result<()> {
-    let len = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+    let len = std::fs::metadata(path)
+        .map_err(|e| Error::io(path, e))?
+        .len();
     let mut f = std::io::BufReader::new(std::fs::File::open(path).map_err(|e| Error::io(path, e))?);
     let mut pos: u64 = 0;
     let mut read = |n: usize, pos: &mut u64| -> Result<Vec<u8>> {
@@ -177,15 +179,25 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
 }
 
 fn meta_f64(f: &GgufFile, key: &str) -> Result<Option<f64>> {
-    match f.get_metadata(key).map_err(|e| Error::Other(format!("GGUF metadata `{key}`: {e}")))? {
-        Some(GgufMetadataValue::Array(a)) => Ok(Some(f64::from(a.as_dtype(Dtype::Float32)?.try_item_exact::<f32>()?))),
+    match f
+        .get_metadata(key)
+        .map_err(|e| Error::Other(format!("GGUF metadata `{key}`: {e}")))?
+    {
+        Some(GgufMetadataValue::Array(a)) => Ok(Some(f64::from(
+            a.as_dtype(Dtype::Float32)?.try_item_exact::<f32>()?,
+        ))),
         _ => Ok(None),
     }
 }
 
 fn meta_i64(f: &GgufFile, key: &str) -> Result<Option<i64>> {
-    match f.get_metadata(key).map_err(|e| Error::Other(format!("GGUF metadata `{key}`: {e}")))? {
-        Some(GgufMetadataValue::Array(a)) => Ok(Some(i64::from(a.as_dtype(Dtype::Int32)?.try_item_exact::<i32>()?))),
+    match f
+        .get_metadata(key)
+        .map_err(|e| Error::Other(format!("GGUF metadata `{key}`: {e}")))?
+    {
+        Some(GgufMetadataValue::Array(a)) => Ok(Some(i64::from(
+            a.as_dtype(Dtype::Int32)?.try_item_exact::<i32>()?,
+        ))),
         _ => Ok(None),
     }
 }
@@ -205,7 +217,10 @@ fn meta_strings(f: &GgufFile, key: &str) -> Vec<String> {
 }
 
 fn meta_ints(f: &GgufFile, key: &str) -> Result<Vec<i32>> {
-    match f.get_metadata(key).map_err(|e| Error::Other(format!("GGUF metadata `{key}`: {e}")))? {
+    match f
+        .get_metadata(key)
+        .map_err(|e| Error::Other(format!("GGUF metadata `{key}`: {e}")))?
+    {
         Some(GgufMetadataValue::Array(a)) => {
             let a = a.as_dtype(Dtype::Int32)?;
             a.eval()?;
@@ -299,7 +314,10 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
             .rsplit_once('.')
             .ok_or_else(|| bad(path, format!("unexpected tensor `{name}`")))?;
         let target = rename(module).ok_or_else(|| {
-            bad(path, format!("tensor `{name}` has no llama equivalent (unsupported GGUF layout)"))
+            bad(
+                path,
+                format!("tensor `{name}` has no llama equivalent (unsupported GGUF layout)"),
+            )
         })?;
         if target == "lm_head" {
             tied = false;

@@ -62,12 +62,17 @@ pub fn resolve(spec: &str) -> Result<ModelSource> {
         return Ok(ModelSource::Dir(p.to_owned()));
     }
     if p.is_file() {
-        return if p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        return if p
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
             Ok(ModelSource::Gguf(p.to_owned()))
         } else {
             Err(Error::invalid(
                 "--model",
-                format!("{spec} is a file but not a .gguf; pass a checkpoint directory or a .gguf file"),
+                format!(
+                    "{spec} is a file but not a .gguf; pass a checkpoint directory or a .gguf file"
+                ),
             ))
         };
     }
@@ -94,7 +99,9 @@ pub fn resolve(spec: &str) -> Result<ModelSource> {
     }
     Err(Error::invalid(
         "--model",
-        format!("`{spec}` does not exist (expected a directory, a .gguf file or an org/name repo id)"),
+        format!(
+            "`{spec}` does not exist (expected a directory, a .gguf file or an org/name repo id)"
+        ),
     ))
 }
 
@@ -119,7 +126,11 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .get("weight_map")
             .and_then(Value::as_object)
             .ok_or_else(|| cfg.error("weight_map", "missing or not an object"))?;
-        let mut files: Vec<String> = map.values().filter_map(Value::as_str).map(str::to_owned).collect();
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(Value::as_str)
+            .map(str::to_owned)
+            .collect();
         files.sort();
         files.dedup();
         let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
@@ -141,7 +152,8 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         // mlx-lm's rule: `model*.safetensors`.
         .filter(|p| {
             p.extension().is_some_and(|e| e == "safetensors")
-                && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("model"))
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("model"))
         })
         .collect();
     files.sort();
@@ -184,13 +196,18 @@ pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
             if !cfg_path.is_file() {
                 return Err(Error::io(
                     &cfg_path,
-                    std::io::Error::new(std::io::ErrorKind::NotFound, "no config.json in the model directory"),
+                    std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        "no config.json in the model directory",
+                    ),
                 ));
             }
             let config = ModelConfig::from_file(&cfg_path)?;
             // Check the architecture before reading any weights.
             let model_type = config.model_type()?.to_owned();
-            registry.architecture(&model_type).map_err(|e| with_file(e, &cfg_path))?;
+            registry
+                .architecture(&model_type)
+                .map_err(|e| with_file(e, &cfg_path))?;
             let weights = WeightMap::load_safetensors(&weight_files(dir)?)?;
             (config, weights, None)
         }
@@ -214,7 +231,9 @@ pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
 
 fn with_file(e: Error, file: &Path) -> Error {
     match e {
-        Error::UnknownArchitecture { model_type, known, .. } => Error::UnknownArchitecture {
+        Error::UnknownArchitecture {
+            model_type, known, ..
+        } => Error::UnknownArchitecture {
             model_type,
             file: Some(file.to_owned()),
             known,

@@ -82,7 +82,11 @@ impl TomlArchitecture {
             config_error(file, &key, e.message())
         })?;
         if spec.layers.pattern.is_empty() {
-            return Err(config_error(file, "layers.pattern", "must name at least one layer kind"));
+            return Err(config_error(
+                file,
+                "layers.pattern",
+                "must name at least one layer kind",
+            ));
         }
         for (i, kind) in spec.layers.pattern.iter().enumerate() {
             registry.layer_kind(kind).map_err(|e| match e {
@@ -95,7 +99,9 @@ impl TomlArchitecture {
             })?;
         }
         let base = registry.architecture(&spec.base).map_err(|e| match e {
-            Error::UnknownArchitecture { model_type, known, .. } => Error::UnknownArchitecture {
+            Error::UnknownArchitecture {
+                model_type, known, ..
+            } => Error::UnknownArchitecture {
                 model_type,
                 file: Some(file.to_owned()),
                 known,
@@ -112,9 +118,13 @@ impl TomlArchitecture {
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            summary: spec
-                .summary
-                .unwrap_or_else(|| format!("TOML hybrid on {}: {}", spec.base, spec.layers.pattern.join(", "))),
+            summary: spec.summary.unwrap_or_else(|| {
+                format!(
+                    "TOML hybrid on {}: {}",
+                    spec.base,
+                    spec.layers.pattern.join(", ")
+                )
+            }),
             name: spec.name,
             base,
             pattern: spec.layers.pattern,

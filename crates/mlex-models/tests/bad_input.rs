@@ -40,20 +40,30 @@ fn rewrite_weights(path: &Path, f: impl FnOnce(&mut HashMap<String, Array>)) {
 
 #[test]
 fn truncated_and_corrupt_safetensors_name_the_file() {
-    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    let Some((_d, dir)) = copy_fixture("llama-f32") else {
+        return;
+    };
     let file = dir.join("model.safetensors");
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
     let e = load_err(&dir).to_string();
-    assert!(e.contains("model.safetensors") && e.contains("not a valid safetensors"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("not a valid safetensors"),
+        "{e}"
+    );
     std::fs::write(&file, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all").unwrap();
     let e = load_err(&dir).to_string();
-    assert!(e.contains("model.safetensors") && e.contains("safetensors"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("safetensors"),
+        "{e}"
+    );
 }
 
 #[test]
 fn missing_misshaped_and_unexpected_tensors_are_named() {
-    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    let Some((_d, dir)) = copy_fixture("llama-f32") else {
+        return;
+    };
     rewrite_weights(&dir, |t| {
         t.remove("model.layers.1.mlp.up_proj.weight");
     });
@@ -61,39 +71,65 @@ fn missing_misshaped_and_unexpected_tensors_are_named() {
         Error::MissingTensor { name, .. } => assert_eq!(name, "model.layers.1.mlp.up_proj.weight"),
         e => panic!("expected a missing tensor, got {e}"),
     }
-    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    let Some((_d, dir)) = copy_fixture("llama-f32") else {
+        return;
+    };
     rewrite_weights(&dir, |t| {
         let w = t["model.layers.0.self_attn.k_proj.weight"].clone();
         let flat = mlx_rs::ops::reshape(&w, &[-1]).unwrap();
-        t.insert("model.layers.0.self_attn.k_proj.weight".into(), mlx_rs::ops::reshape(&flat, &[16, -1]).unwrap());
+        t.insert(
+            "model.layers.0.self_attn.k_proj.weight".into(),
+            mlx_rs::ops::reshape(&flat, &[16, -1]).unwrap(),
+        );
     });
     let e = load_err(&dir).to_string();
-    assert!(e.contains("model.layers.0.self_attn.k_proj.weight") && e.contains("expected shape"), "{e}");
+    assert!(
+        e.contains("model.layers.0.self_attn.k_proj.weight") && e.contains("expected shape"),
+        "{e}"
+    );
     assert!(e.contains("model.safetensors"), "{e}");
-    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    let Some((_d, dir)) = copy_fixture("llama-f32") else {
+        return;
+    };
     rewrite_weights(&dir, |t| {
-        t.insert("model.layers.0.surprise.weight".into(), Array::from_slice(&[1f32], &[1]));
+        t.insert(
+            "model.layers.0.surprise.weight".into(),
+            Array::from_slice(&[1f32], &[1]),
+        );
     });
     let e = load_err(&dir).to_string();
-    assert!(e.contains("unexpected tensor") && e.contains("model.layers.0.surprise.weight"), "{e}");
+    assert!(
+        e.contains("unexpected tensor") && e.contains("model.layers.0.surprise.weight"),
+        "{e}"
+    );
 }
 
 #[test]
 fn config_errors_name_the_file_and_key() {
-    let Some((_d, dir)) = copy_fixture("llama-f32") else { return };
+    let Some((_d, dir)) = copy_fixture("llama-f32") else {
+        return;
+    };
     let cfg = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg).unwrap();
     let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
     v["model_type"] = "gpt9000".into();
     std::fs::write(&cfg, v.to_string()).unwrap();
     let e = load_err(&dir).to_string();
-    assert!(e.contains("unknown model_type `gpt9000`") && e.contains("config.json") && e.contains("qwen3_next"), "{e}");
+    assert!(
+        e.contains("unknown model_type `gpt9000`")
+            && e.contains("config.json")
+            && e.contains("qwen3_next"),
+        "{e}"
+    );
 
     v["model_type"] = "llama".into();
     v["hidden_size"] = "wide".into();
     std::fs::write(&cfg, v.to_string()).unwrap();
     let e = load_err(&dir).to_string();
-    assert!(e.contains("config.json") && e.contains("hidden_size"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("hidden_size"),
+        "{e}"
+    );
 
     std::fs::write(&cfg, "{ \"model_type\": \"llama\", ").unwrap();
     let e = load_err(&dir).to_string();
@@ -106,7 +142,9 @@ fn config_errors_name_the_file_and_key() {
 
 #[test]
 fn a_missing_shard_is_named() {
-    let Some((_d, dir)) = copy_fixture("llama-f32-sharded") else { return };
+    let Some((_d, dir)) = copy_fixture("llama-f32-sharded") else {
+        return;
+    };
     let shard = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -114,12 +152,17 @@ fn a_missing_shard_is_named() {
         .expect("a shard");
     std::fs::remove_file(&shard).unwrap();
     let e = load_err(&dir).to_string();
-    assert!(e.contains(shard.file_name().unwrap().to_str().unwrap()) && e.contains("index.json"), "{e}");
+    assert!(
+        e.contains(shard.file_name().unwrap().to_str().unwrap()) && e.contains("index.json"),
+        "{e}"
+    );
 }
 
 #[test]
 fn truncated_gguf_names_the_file() {
-    let Some(f) = fixture("gguf-q4_0") else { return };
+    let Some(f) = fixture("gguf-q4_0") else {
+        return;
+    };
     let bytes = std::fs::read(path_of(&f)).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("cut.gguf");
@@ -138,16 +181,44 @@ fn truncated_gguf_names_the_file() {
 fn malformed_toml_architectures_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("mine.toml");
-    std::fs::write(&p, "name = \"x\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"gated_delta\",\n").unwrap();
-    let e = mlex_models::build_registry(&[p.clone()]).err().unwrap().to_string();
+    std::fs::write(
+        &p,
+        "name = \"x\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"gated_delta\",\n",
+    )
+    .unwrap();
+    let e = mlex_models::build_registry(std::slice::from_ref(&p))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("mine.toml") && e.contains("line"), "{e}");
-    std::fs::write(&p, "name = \"x\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"warp_drive\"]\n").unwrap();
-    let e = mlex_models::build_registry(&[p.clone()]).err().unwrap().to_string();
-    assert!(e.contains("warp_drive") && e.contains("mine.toml") && e.contains("gated_delta"), "{e}");
-    std::fs::write(&p, "name = \"x\"\nbase = \"nope\"\n[layers]\npattern = [\"attention\"]\n").unwrap();
-    let e = mlex_models::build_registry(&[p.clone()]).err().unwrap().to_string();
+    std::fs::write(
+        &p,
+        "name = \"x\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"warp_drive\"]\n",
+    )
+    .unwrap();
+    let e = mlex_models::build_registry(std::slice::from_ref(&p))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("warp_drive") && e.contains("mine.toml") && e.contains("gated_delta"),
+        "{e}"
+    );
+    std::fs::write(
+        &p,
+        "name = \"x\"\nbase = \"nope\"\n[layers]\npattern = [\"attention\"]\n",
+    )
+    .unwrap();
+    let e = mlex_models::build_registry(std::slice::from_ref(&p))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("nope") && e.contains("mine.toml"), "{e}");
-    std::fs::write(&p, "name = \"x\"\nbase = \"llama\"\ncolour = \"red\"\n[layers]\npattern = [\"attention\"]\n").unwrap();
+    std::fs::write(
+        &p,
+        "name = \"x\"\nbase = \"llama\"\ncolour = \"red\"\n[layers]\npattern = [\"attention\"]\n",
+    )
+    .unwrap();
     let e = mlex_models::build_registry(&[p]).err().unwrap().to_string();
     assert!(e.contains("colour"), "{e}");
 }
@@ -156,10 +227,15 @@ fn malformed_toml_architectures_are_named() {
 fn a_toml_hybrid_runs_without_rust_code() {
     // Qwen3-Next weights served by a TOML-defined model_type that spells
     // out the layer pattern: the result must equal mlx-lm's reference.
-    let Some(f) = fixture("qwen3_next-f32") else { return };
-    let Some((_d, dir)) = copy_fixture("qwen3_next-f32") else { return };
+    let Some(f) = fixture("qwen3_next-f32") else {
+        return;
+    };
+    let Some((_d, dir)) = copy_fixture("qwen3_next-f32") else {
+        return;
+    };
     let cfg = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
     v["model_type"] = "my_hybrid".into();
     std::fs::write(&cfg, v.to_string()).unwrap();
     let toml = dir.join("my_hybrid.toml");
@@ -173,12 +249,22 @@ fn a_toml_hybrid_runs_without_rust_code() {
     assert_eq!(loaded.model.arch, "my_hybrid");
     let r = reference(&f);
     let mut cache = loaded.model.make_cache(1).unwrap();
-    let logits = loaded.model.forward(&tokens(&r.prompt), &mut cache).unwrap();
+    let logits = loaded
+        .model
+        .forward(&tokens(&r.prompt), &mut cache)
+        .unwrap();
     let (d, m) = max_diff(&to_f32(&logits), &to_f32(&r.logits_full));
-    assert!(d <= 1e-4 * m.max(1.0), "TOML hybrid differs from the reference by {d}");
+    assert!(
+        d <= 1e-4 * m.max(1.0),
+        "TOML hybrid differs from the reference by {d}"
+    );
     // A pattern that does not match the weights fails strictly.
     let toml2 = dir.join("wrong.toml");
-    std::fs::write(&toml2, "name = \"my_hybrid\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"attention\"]\n").unwrap();
+    std::fs::write(
+        &toml2,
+        "name = \"my_hybrid\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"attention\"]\n",
+    )
+    .unwrap();
     let registry = mlex_models::build_registry(&[toml2]).unwrap();
     let e = match mlex_models::load::load(dir.to_str().unwrap(), &registry) {
         Ok(_) => panic!("wrong pattern loaded"),

@@ -5,8 +5,8 @@
 //! 32 greedy tokens identical, and incremental decode (prompt in one pass
 //! and in chunks) equal to the full forward.
 
-use mlex_testkit::*;
 use mlex_models::load::load;
+use mlex_testkit::*;
 use mlx_rs::ops::indexing::TryIndexOp;
 
 /// Relative per-step tolerance of incremental vs full forward below float32.
@@ -22,16 +22,24 @@ fn check(f: &Fixture) -> Result<String, String> {
 
     // 1. Full forward (no earlier state) against the reference.
     let mut cache = model.make_cache(1).map_err(|e| e.to_string())?;
-    let full = model.forward(&tokens(&r.prompt), &mut cache).map_err(|e| e.to_string())?;
+    let full = model
+        .forward(&tokens(&r.prompt), &mut cache)
+        .map_err(|e| e.to_string())?;
     let (d, m) = max_diff(&to_f32(&full), &to_f32(&r.logits_full));
     if d > tol * m.max(1.0) {
-        return Err(format!("full-forward logits differ by {d} (max |logit| {m}, tolerance {tol})"));
+        return Err(format!(
+            "full-forward logits differ by {d} (max |logit| {m}, tolerance {tol})"
+        ));
     }
 
     // 2. Greedy tokens with the cache, prompt in one pass.
     let (toks, rows) = greedy(model, &r.prompt, r.greedy.len(), None);
     if toks != r.greedy {
-        let first = toks.iter().zip(&r.greedy).position(|(a, b)| a != b).unwrap_or(0);
+        let first = toks
+            .iter()
+            .zip(&r.greedy)
+            .position(|(a, b)| a != b)
+            .unwrap_or(0);
         return Err(format!(
             "greedy tokens differ from step {first}: got {:?}, want {:?}",
             &toks[first..(first + 4).min(toks.len())],
@@ -46,7 +54,10 @@ fn check(f: &Fixture) -> Result<String, String> {
         worst = worst.max(d / m.max(1.0));
     }
     if worst > tol * 4.0 {
-        return Err(format!("decode-step logits differ by {worst} relative (tolerance {})", tol * 4.0));
+        return Err(format!(
+            "decode-step logits differ by {worst} relative (tolerance {})",
+            tol * 4.0
+        ));
     }
 
     // 3. Incremental decode equals the full forward: logits of the full
@@ -54,7 +65,9 @@ fn check(f: &Fixture) -> Result<String, String> {
     let mut seq = r.prompt.clone();
     seq.extend(&toks[..toks.len() - 1]);
     let mut cache = model.make_cache(1).map_err(|e| e.to_string())?;
-    let full = model.forward(&tokens(&seq), &mut cache).map_err(|e| e.to_string())?;
+    let full = model
+        .forward(&tokens(&seq), &mut cache)
+        .map_err(|e| e.to_string())?;
     let p = r.prompt.len() as i32;
     let tail = full
         .try_index((0, (p - 1)..(seq.len() as i32), ..))
@@ -73,7 +86,9 @@ fn check(f: &Fixture) -> Result<String, String> {
     if f.dtype == "float32" && f.quant.is_none() {
         // The exact invariant: in float32 both orders of computation agree.
         if worst > 1e-4 {
-            return Err(format!("incremental decode differs from the full forward by {worst} (tolerance 1e-4)"));
+            return Err(format!(
+                "incremental decode differs from the full forward by {worst} (tolerance 1e-4)"
+            ));
         }
     } else {
         // In low precision the two orders round differently (mlx-lm's own
@@ -98,12 +113,17 @@ fn check(f: &Fixture) -> Result<String, String> {
         let (d, m) = max_diff(&chunked, &rows[0]);
         let limit = if exact { 1e-4 } else { LOW_PRECISION_SELF_TOL };
         if d / m.max(1.0) > limit {
-            return Err(format!("prefill in chunks of {chunk} changes the logits by {d} (tolerance {limit})"));
+            return Err(format!(
+                "prefill in chunks of {chunk} changes the logits by {d} (tolerance {limit})"
+            ));
         }
         if exact {
             let (ct, _) = greedy(model, &r.prompt, 8, Some(chunk));
             if ct[..] != toks[..8] {
-                return Err(format!("prefill in chunks of {chunk} changes the tokens: {ct:?} vs {:?}", &toks[..8]));
+                return Err(format!(
+                    "prefill in chunks of {chunk} changes the tokens: {ct:?} vs {:?}",
+                    &toks[..8]
+                ));
             }
         }
     }
@@ -116,7 +136,10 @@ fn every_fixture_matches_its_reference() {
     let only = std::env::var("MLEX_ONLY").ok();
     let mut failures = Vec::new();
     let mut checked = 0;
-    for f in all.iter().filter(|f| only.as_ref().is_none_or(|o| o.split(',').any(|n| n == f.name))) {
+    for f in all.iter().filter(|f| {
+        only.as_ref()
+            .is_none_or(|o| o.split(',').any(|n| n == f.name))
+    }) {
         match check(f) {
             Ok(msg) => eprintln!("{:<24} {msg}", f.name),
             Err(e) => {
@@ -127,5 +150,10 @@ fn every_fixture_matches_its_reference() {
         checked += 1;
     }
     assert!(checked > 0, "no fixture was checked");
-    assert!(failures.is_empty(), "{} of {checked} fixtures failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} fixtures failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -27,12 +27,23 @@ mlex_core::register_architecture!("llama", ImpostorLlama);
 #[test]
 fn a_duplicate_registration_fails_naming_both_origins() {
     match Registry::from_inventory() {
-        Err(Error::DuplicateRegistration { what, name, first, second }) => {
+        Err(Error::DuplicateRegistration {
+            what,
+            name,
+            first,
+            second,
+        }) => {
             assert_eq!(what, "architecture");
             assert_eq!(name, "llama");
             let origins = [first.as_str(), second.as_str()];
-            assert!(origins.contains(&"mlex_models::models::llama"), "{origins:?}");
-            assert!(origins.iter().any(|o| o.starts_with("registry")), "{origins:?}");
+            assert!(
+                origins.contains(&"mlex_models::models::llama"),
+                "{origins:?}"
+            );
+            assert!(
+                origins.iter().any(|o| o.starts_with("registry")),
+                "{origins:?}"
+            );
         }
         Err(other) => panic!("unexpected error: {other}"),
         Ok(_) => panic!("a duplicate `llama` must be rejected"),
@@ -46,14 +57,20 @@ fn adding_a_taken_layer_kind_name_is_an_error() {
     let mut r = Registry::new();
     let kind = mlex_models::layers::mlp::MlpKind;
     r.add_layer_kind(Arc::new(kind), "first").unwrap();
-    let e = r.add_layer_kind(Arc::new(mlex_models::layers::mlp::MlpKind), "second").unwrap_err();
-    assert!(e.to_string().contains("first") && e.to_string().contains("second"), "{e}");
+    let e = r
+        .add_layer_kind(Arc::new(mlex_models::layers::mlp::MlpKind), "second")
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("first") && e.to_string().contains("second"),
+        "{e}"
+    );
 }
 
 #[test]
 fn unknown_names_list_what_is_registered() {
     let mut r = Registry::new();
-    r.add_architecture(Arc::new(mlex_models::models::llama::Llama), "here").unwrap();
+    r.add_architecture(Arc::new(mlex_models::models::llama::Llama), "here")
+        .unwrap();
     let e = r.architecture("gpt9").err().unwrap().to_string();
     assert!(e.contains("gpt9") && e.contains("llama"), "{e}");
     let e = r.layer_kind("fancy").err().unwrap().to_string();

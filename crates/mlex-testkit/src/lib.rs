@@ -104,8 +104,8 @@ pub struct Reference {
 
 pub fn reference(f: &Fixture) -> Reference {
     let path = fixtures_dir().join(&f.reference);
-    let t: HashMap<String, Array> = Array::load_safetensors(&path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let t: HashMap<String, Array> =
+        Array::load_safetensors(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let ints = |k: &str| -> Vec<i32> {
         let a = t[k].as_dtype(Dtype::Int32).unwrap();
         a.eval().unwrap();
@@ -153,7 +153,12 @@ pub fn argmax(row: &[f32]) -> i32 {
 
 /// Greedy decode: the prompt in one pass (or in `chunk`-token pieces), then
 /// `n` tokens one at a time; returns tokens and the logits each came from.
-pub fn greedy(model: &Model, prompt: &[i32], n: usize, chunk: Option<usize>) -> (Vec<i32>, Vec<Vec<f32>>) {
+pub fn greedy(
+    model: &Model,
+    prompt: &[i32],
+    n: usize,
+    chunk: Option<usize>,
+) -> (Vec<i32>, Vec<Vec<f32>>) {
     let mut cache = model.make_cache(1).unwrap();
     let mut logits = prefill(model, &mut cache, prompt, chunk);
     let mut out = Vec::new();
@@ -168,7 +173,12 @@ pub fn greedy(model: &Model, prompt: &[i32], n: usize, chunk: Option<usize>) -> 
     (out, rows)
 }
 
-pub fn prefill(model: &Model, cache: &mut ModelCache, prompt: &[i32], chunk: Option<usize>) -> Array {
+pub fn prefill(
+    model: &Model,
+    cache: &mut ModelCache,
+    prompt: &[i32],
+    chunk: Option<usize>,
+) -> Array {
     let c = chunk.unwrap_or(prompt.len()).max(1);
     let mut last = None;
     for piece in prompt.chunks(c) {

@@ -87,7 +87,11 @@ impl Architecture for ToyExt {
             .map(|i| LayerPlan {
                 kind: if i % 2 == 0 { "gated_mlp" } else { "attention" }.to_owned(),
                 prefix: format!("layers.{i}"),
-                options: if i % 2 == 0 { json!({}) } else { json!({"mlp": "none", "post_norm": null}) },
+                options: if i % 2 == 0 {
+                    json!({})
+                } else {
+                    json!({"mlp": "none", "post_norm": null})
+                },
             })
             .collect();
         Ok(ModelPlan {

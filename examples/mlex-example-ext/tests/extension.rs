@@ -31,9 +31,17 @@ fn toy_weights(hidden: i32, vocab: i32, layers: i32) -> WeightMap {
             w.insert(format!("{p}.up.weight"), rand(&[hidden, hidden], 0.2), f);
             w.insert(format!("{p}.gate"), rand(&[hidden], 1.0), f);
         } else {
-            w.insert(format!("{p}.input_layernorm.weight"), rand(&[hidden], 1.0), f);
+            w.insert(
+                format!("{p}.input_layernorm.weight"),
+                rand(&[hidden], 1.0),
+                f,
+            );
             for m in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-                w.insert(format!("{p}.self_attn.{m}.weight"), rand(&[heads_dim, hidden], 0.2), f);
+                w.insert(
+                    format!("{p}.self_attn.{m}.weight"),
+                    rand(&[heads_dim, hidden], 0.2),
+                    f,
+                );
             }
         }
     }
@@ -44,10 +52,20 @@ fn toy_weights(hidden: i32, vocab: i32, layers: i32) -> WeightMap {
 fn external_registrations_are_listed_with_their_origin() {
     let registry = mlex_models::registry().unwrap();
     let list = registry.list();
-    let arch = list.iter().find(|l| l.name == "toy_ext").expect("toy_ext registered");
+    let arch = list
+        .iter()
+        .find(|l| l.name == "toy_ext")
+        .expect("toy_ext registered");
     assert_eq!(arch.what, "architecture");
-    assert!(arch.origin.starts_with("mlex_example_ext"), "{}", arch.origin);
-    let kind = list.iter().find(|l| l.name == "gated_mlp").expect("gated_mlp registered");
+    assert!(
+        arch.origin.starts_with("mlex_example_ext"),
+        "{}",
+        arch.origin
+    );
+    let kind = list
+        .iter()
+        .find(|l| l.name == "gated_mlp")
+        .expect("gated_mlp registered");
     assert_eq!(kind.what, "layer kind");
     assert!(kind.origin.starts_with("mlex_example_ext"));
     // Ours are still there.
@@ -64,19 +82,37 @@ fn the_external_architecture_builds_and_decodes() {
         "toy/config.json",
     );
     let arch = registry.architecture("toy_ext").unwrap();
-    let model = Model::build(arch.as_ref(), &config, toy_weights(hidden, vocab, layers), registry).unwrap();
-    assert_eq!(model.layers.iter().map(|l| l.kind.as_str()).collect::<Vec<_>>(), ["gated_mlp", "attention", "gated_mlp", "attention"]);
+    let model = Model::build(
+        arch.as_ref(),
+        &config,
+        toy_weights(hidden, vocab, layers),
+        registry,
+    )
+    .unwrap();
+    assert_eq!(
+        model
+            .layers
+            .iter()
+            .map(|l| l.kind.as_str())
+            .collect::<Vec<_>>(),
+        ["gated_mlp", "attention", "gated_mlp", "attention"]
+    );
 
     let prompt: Vec<i32> = vec![3, 1, 4, 1, 5, 9, 2, 6];
     let mut cache = model.make_cache(1).unwrap();
-    let full = model.forward(&Array::from_slice(&prompt, &[1, 8]), &mut cache).unwrap();
+    let full = model
+        .forward(&Array::from_slice(&prompt, &[1, 8]), &mut cache)
+        .unwrap();
     assert_eq!(full.shape(), &[1, 8, vocab]);
     // Incremental (compiled) decode of the same tokens equals the full forward.
     let mut dec = SegmentedDecoder::new(&model);
     let mut cache = model.make_cache(1).unwrap();
     let mut rows = Vec::new();
     for t in &prompt {
-        rows.push(dec.step(&model, &Array::from_slice(&[*t], &[1, 1]), &mut cache).unwrap());
+        rows.push(
+            dec.step(&model, &Array::from_slice(&[*t], &[1, 1]), &mut cache)
+                .unwrap(),
+        );
     }
     let inc = mlx_rs::ops::stack(&rows, 1).unwrap();
     let d = mlx_rs::ops::abs(mlx_rs::ops::subtract(&inc, &full).unwrap())

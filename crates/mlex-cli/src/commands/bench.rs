@@ -12,7 +12,9 @@ fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
     let mut s: u64 = 0x9e3779b97f4a7c15;
     (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 33) % vocab as u64) as u32
         })
         .collect()
@@ -20,7 +22,10 @@ fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
 
 pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     if a.prompt_len == 0 || a.gen < 2 {
-        return Err(Error::invalid("--prompt-len/--gen", "need a prompt of at least 1 token and at least 2 generated tokens"));
+        return Err(Error::invalid(
+            "--prompt-len/--gen",
+            "need a prompt of at least 1 token and at least 2 generated tokens",
+        ));
     }
     let loaded = load_model(&a.model.model, registry)?;
     let vocab = loaded.model.vocab_size() as usize;
@@ -55,10 +60,29 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     let info = mlex_core::device::runtime_info()?;
     if a.format == Format::Text {
         println!("model          {} ({arch})", a.model.model);
-        println!("device         {} ({})", info.default_device, info.gpu_name.clone().unwrap_or_else(|| "cpu".into()));
-        println!("decode         {}", if g.is_compiled() { "compiled segments" } else { "eager" });
-        println!("prompt         {} tokens, {:.1} tok/s", r.prompt_tokens, r.prefill_tok_s());
-        println!("generation     {} tokens, {:.1} tok/s", r.tokens.len(), r.decode_tok_s());
+        println!(
+            "device         {} ({})",
+            info.default_device,
+            info.gpu_name.clone().unwrap_or_else(|| "cpu".into())
+        );
+        println!(
+            "decode         {}",
+            if g.is_compiled() {
+                "compiled segments"
+            } else {
+                "eager"
+            }
+        );
+        println!(
+            "prompt         {} tokens, {:.1} tok/s",
+            r.prompt_tokens,
+            r.prefill_tok_s()
+        );
+        println!(
+            "generation     {} tokens, {:.1} tok/s",
+            r.tokens.len(),
+            r.decode_tok_s()
+        );
         println!("peak memory    {:.3} GB", peak as f64 / 1e9);
     }
     let out = json!({

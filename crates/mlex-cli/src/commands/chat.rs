@@ -3,7 +3,9 @@
 //! previous turn's state, so only the new tokens are prefilled.
 
 use crate::args::{ChatArgs, Format};
-use crate::session::{chat_tokens, compile, cut_at_stop, generate_options, load_model, tokenizer_for};
+use crate::session::{
+    chat_tokens, compile, cut_at_stop, generate_options, load_model, tokenizer_for,
+};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{Flow, Generator, Message, StreamingDetokenizer};
@@ -32,7 +34,12 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
             let _ = std::io::stderr().flush();
         }
         let mut line = String::new();
-        if stdin.lock().read_line(&mut line).map_err(|e| Error::io("<stdin>", e))? == 0 {
+        if stdin
+            .lock()
+            .read_line(&mut line)
+            .map_err(|e| Error::io("<stdin>", e))?
+            == 0
+        {
             break;
         }
         let line = line.trim_end_matches(['\n', '\r']);
@@ -61,7 +68,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
                 return Ok(Flow::Stop);
             }
             if !json && stops.is_empty() {
-                let _ = out.write_all(text[shown..].as_bytes());
+                let _ = out.write_all(&text.as_bytes()[shown..]);
                 let _ = out.flush();
                 shown = text.len();
             }
@@ -85,7 +92,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
             writeln!(out, "{obj}").map_err(|e| Error::io("<stdout>", e))?;
         } else {
             if text.len() > shown {
-                let _ = out.write_all(text[shown..].as_bytes());
+                let _ = out.write_all(&text.as_bytes()[shown..]);
             }
             writeln!(out).map_err(|e| Error::io("<stdout>", e))?;
             if interactive {

@@ -1,7 +1,9 @@
 //! `mlex generate`.
 
 use crate::args::{Format, GenerateArgs};
-use crate::session::{chat_tokens, compile, cut_at_stop, generate_options, load_model, tokenizer_for};
+use crate::session::{
+    chat_tokens, compile, cut_at_stop, generate_options, load_model, tokenizer_for,
+};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{Flow, Generator, Message, StreamingDetokenizer};
@@ -20,7 +22,9 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         (None, Some(p)) => {
             let text = if p == "-" {
                 let mut s = String::new();
-                std::io::stdin().read_to_string(&mut s).map_err(|e| Error::io("<stdin>", e))?;
+                std::io::stdin()
+                    .read_to_string(&mut s)
+                    .map_err(|e| Error::io("<stdin>", e))?;
                 s
             } else {
                 p.clone()
@@ -33,13 +37,23 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
             messages.push(Message::new("user", &text));
             chat_tokens(tok, &messages, !a.no_chat_template)?
         }
-        (None, None) => return Err(Error::invalid("--prompt", "give --prompt TEXT or --prompt-ids 1,2,3")),
+        (None, None) => {
+            return Err(Error::invalid(
+                "--prompt",
+                "give --prompt TEXT or --prompt-ids 1,2,3",
+            ))
+        }
     };
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
     let mut generator = Generator::new(loaded.model, compile(&a.model));
     let stream = a.format == Format::Text;
     let stops = a.sampling.stop.clone();
-    let hold = stops.iter().map(|s| s.chars().count()).max().unwrap_or(1).saturating_sub(1);
+    let hold = stops
+        .iter()
+        .map(|s| s.chars().count())
+        .max()
+        .unwrap_or(1)
+        .saturating_sub(1);
     let mut detok = tokenizer.as_ref().map(StreamingDetokenizer::new);
     let mut text = String::new();
     let mut shown = 0usize;
@@ -52,7 +66,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         if let Some(cut) = cut_at_stop(&text, &stops) {
             text.truncate(cut);
             if stream && cut > shown {
-                let _ = stdout.write_all(text[shown..].as_bytes());
+                let _ = stdout.write_all(&text.as_bytes()[shown..]);
             }
             shown = text.len();
             return Ok(Flow::Stop);
@@ -60,10 +74,14 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         // Hold back what could still become a stop string.
         let mut safe = text.len();
         for _ in 0..hold {
-            safe = text[..safe].char_indices().next_back().map(|(i, _)| i).unwrap_or(0);
+            safe = text[..safe]
+                .char_indices()
+                .next_back()
+                .map(|(i, _)| i)
+                .unwrap_or(0);
         }
         if stream && safe > shown {
-            let _ = stdout.write_all(text[shown..safe].as_bytes());
+            let _ = stdout.write_all(&text.as_bytes()[shown..safe]);
             let _ = stdout.flush();
             shown = safe;
         }
@@ -77,7 +95,9 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     }
     if stream {
         if text.len() > shown {
-            stdout.write_all(text[shown..].as_bytes()).map_err(|e| Error::io("<stdout>", e))?;
+            stdout
+                .write_all(&text.as_bytes()[shown..])
+                .map_err(|e| Error::io("<stdout>", e))?;
         }
         writeln!(stdout).map_err(|e| Error::io("<stdout>", e))?;
         eprintln!(

@@ -25,7 +25,11 @@ pub fn run(a: InspectArgs, registry: &Registry) -> Result<()> {
                 "{}-bit affine, group {}{}",
                 s.bits,
                 s.group_size,
-                if n > 0 { format!(" (+{n} overrides)") } else { String::new() }
+                if n > 0 {
+                    format!(" (+{n} overrides)")
+                } else {
+                    String::new()
+                }
             )
         }
     };
@@ -94,7 +98,11 @@ pub fn run(a: InspectArgs, registry: &Registry) -> Result<()> {
             l["describe"].as_str().unwrap_or(""),
             l["caches"]
                 .as_array()
-                .map(|v| v.iter().filter_map(|c| c.as_str()).collect::<Vec<_>>().join(", "))
+                .map(|v| v
+                    .iter()
+                    .filter_map(|c| c.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "))
                 .unwrap_or_default()
         );
     }

@@ -8,22 +8,35 @@ use mlx_rs::{Array, Dtype};
 
 pub fn run(a: LogitsArgs, registry: &Registry) -> Result<()> {
     if a.out.extension().is_none_or(|e| e != "npy") {
-        return Err(Error::invalid("--out", format!("{} must end in .npy", a.out.display())));
+        return Err(Error::invalid(
+            "--out",
+            format!("{} must end in .npy", a.out.display()),
+        ));
     }
     if let Some(dir) = a.out.parent().filter(|d| !d.as_os_str().is_empty()) {
         if !dir.is_dir() {
-            return Err(Error::invalid("--out", format!("folder {} does not exist", dir.display())));
+            return Err(Error::invalid(
+                "--out",
+                format!("folder {} does not exist", dir.display()),
+            ));
         }
     }
     let loaded = load_model(&a.model, registry)?;
     let model = &loaded.model;
     let vocab = model.vocab_size() as u32;
     if let Some(bad) = a.prompt_ids.iter().find(|&&t| t >= vocab) {
-        return Err(Error::invalid("--prompt-ids", format!("token id {bad} is outside the vocabulary of {vocab}")));
+        return Err(Error::invalid(
+            "--prompt-ids",
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+        ));
     }
     if let Some(max) = model.max_context {
         if a.prompt_ids.len() > max {
-            return Err(Error::PromptTooLong { len: a.prompt_ids.len(), max, hint: None });
+            return Err(Error::PromptTooLong {
+                len: a.prompt_ids.len(),
+                max,
+                hint: None,
+            });
         }
     }
     let ids: Vec<i32> = a.prompt_ids.iter().map(|&t| t as i32).collect();

@@ -30,7 +30,8 @@ pub fn run(cli: Cli) -> Result<()> {
         };
         mlx_rs::Device::set_default(&device);
     }
-    let registry = || -> Result<Registry> { mlex_models::build_registry(&registry_paths(&cli.arch_files)) };
+    let registry =
+        || -> Result<Registry> { mlex_models::build_registry(&registry_paths(&cli.arch_files)) };
     match cli.command {
         Command::Generate(a) => generate::run(a, &registry()?),
         Command::Chat(a) => chat::run(a, &registry()?),

@@ -216,9 +216,27 @@ impl Attention {
         };
         let q_out = n_heads * head_dim * if o.gated { 2 } else { 1 };
         let q_proj = Linear::load(ctx.weights, &a("q_proj"), hidden, q_out, o.qkv_bias)?;
-        let k_proj = Linear::load(ctx.weights, &a("k_proj"), hidden, n_kv_heads * head_dim, o.qkv_bias)?;
-        let v_proj = Linear::load(ctx.weights, &a("v_proj"), hidden, n_kv_heads * head_dim, o.qkv_bias)?;
-        let o_proj = Linear::load(ctx.weights, &a("o_proj"), n_heads * head_dim, hidden, o.o_bias)?;
+        let k_proj = Linear::load(
+            ctx.weights,
+            &a("k_proj"),
+            hidden,
+            n_kv_heads * head_dim,
+            o.qkv_bias,
+        )?;
+        let v_proj = Linear::load(
+            ctx.weights,
+            &a("v_proj"),
+            hidden,
+            n_kv_heads * head_dim,
+            o.qkv_bias,
+        )?;
+        let o_proj = Linear::load(
+            ctx.weights,
+            &a("o_proj"),
+            n_heads * head_dim,
+            hidden,
+            o.o_bias,
+        )?;
         let (q_norm, k_norm) = if o.qk_norm == QkNorm::None {
             (None, None)
         } else {
@@ -243,8 +261,17 @@ impl Attention {
                 .rope_theta
                 .or_else(|| cfg.get("rope_theta").and_then(Value::as_f64))
                 .unwrap_or(10000.0) as f32;
-            let scaling = o.rope_scaling.clone().or_else(|| cfg.get("rope_scaling").cloned());
-            Some(Rope::from_scaling(ctx.config, dims, base, o.rope_traditional, scaling.as_ref())?)
+            let scaling = o
+                .rope_scaling
+                .clone()
+                .or_else(|| cfg.get("rope_scaling").cloned());
+            Some(Rope::from_scaling(
+                ctx.config,
+                dims,
+                base,
+                o.rope_traditional,
+                scaling.as_ref(),
+            )?)
         } else {
             None
         };
@@ -351,7 +378,15 @@ impl Attention {
         match self.inv_freq {
             Some(id) => {
                 let freqs = ops::reciprocal(p.get(id)?)?;
-                Ok(fast::rope(x, rope.dims, rope.traditional, None, 1.0, offset as i32, &freqs)?)
+                Ok(fast::rope(
+                    x,
+                    rope.dims,
+                    rope.traditional,
+                    None,
+                    1.0,
+                    offset as i32,
+                    &freqs,
+                )?)
             }
             None => rope.apply(x, offset),
         }
@@ -362,7 +397,13 @@ impl Attention {
 struct StateCursor(usize);
 
 impl StateCursor {
-    fn canon(&mut self, p: &Params, c: Option<&Canon>, x: Array, state: &mut [Array]) -> Result<Array> {
+    fn canon(
+        &mut self,
+        p: &Params,
+        c: Option<&Canon>,
+        x: Array,
+        state: &mut [Array],
+    ) -> Result<Array> {
         match c {
             None => Ok(x),
             Some(c) => {
@@ -388,7 +429,10 @@ impl Layer for Attention {
         for l in [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj] {
             v.extend(l.params());
         }
-        for n in [&self.q_norm, &self.k_norm, &self.post_norm].into_iter().flatten() {
+        for n in [&self.q_norm, &self.k_norm, &self.post_norm]
+            .into_iter()
+            .flatten()
+        {
             v.push(n.weight);
         }
         v.extend(self.inv_freq);
@@ -419,7 +463,12 @@ impl Layer for Attention {
         let mut out = vec![kv];
         let windows = self.canon_windows();
         if !windows.is_empty() {
-            out.push(Box::new(StateCache::conv_windows(batch, self.kernel, &windows, dtype)?));
+            out.push(Box::new(StateCache::conv_windows(
+                batch,
+                self.kernel,
+                &windows,
+                dtype,
+            )?));
         }
         Ok(out)
     }
@@ -440,7 +489,10 @@ impl Layer for Attention {
             let both = ops::reshape(&q, &[s[0], s[1], self.n_heads, 2 * self.head_dim])?;
             let parts = ops::split_equal(&both, 2, -1)?;
             q = ops::reshape(&parts[0], &[s[0], s[1], self.n_heads * self.head_dim])?;
-            gate = Some(ops::reshape(&parts[1], &[s[0], s[1], self.n_heads * self.head_dim])?);
+            gate = Some(ops::reshape(
+                &parts[1],
+                &[s[0], s[1], self.n_heads * self.head_dim],
+            )?);
         }
         if let Some([bq, bk, bv]) = &self.canon.b {
             q = cur.canon(p, Some(bq), q, state)?;
@@ -481,7 +533,9 @@ impl Layer for Attention {
         let mask = kv.mask(n)?;
         let (keys, values) = kv.update_and_fetch(&k, &v)?;
         let o = match &mask {
-            AttentionMask::None => fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, None, None)?,
+            AttentionMask::None => {
+                fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, None, None)?
+            }
             AttentionMask::Causal => fast::scaled_dot_product_attention(
                 &q,
                 &keys,
@@ -490,7 +544,9 @@ impl Layer for Attention {
                 ScaledDotProductAttentionMask::Causal,
                 None,
             )?,
-            AttentionMask::Array(m) => fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, m, None)?,
+            AttentionMask::Array(m) => {
+                fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, m, None)?
+            }
         };
         let mut out = vec![x, o];
         out.extend(gate);

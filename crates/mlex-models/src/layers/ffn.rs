@@ -19,7 +19,13 @@ pub struct SwitchLinear {
 
 impl SwitchLinear {
     /// Loads `{prefix}.weight` of `[experts, out, in]` (or its packed form).
-    pub fn load(ld: &mut WeightLoader, prefix: &str, experts: i32, input: i32, output: i32) -> Result<Self> {
+    pub fn load(
+        ld: &mut WeightLoader,
+        prefix: &str,
+        experts: i32,
+        input: i32,
+        output: i32,
+    ) -> Result<Self> {
         match load_quantized(ld, prefix, &[experts, output], input)? {
             Some((weight, q)) => Ok(Self {
                 weight,
@@ -239,7 +245,12 @@ impl Ffn {
                 v
             }
             Ffn::NemotronMoe(m) => {
-                let mut v = [vec![m.gate_weight, m.correction_bias], m.fc1.params(), m.fc2.params()].concat();
+                let mut v = [
+                    vec![m.gate_weight, m.correction_bias],
+                    m.fc1.params(),
+                    m.fc2.params(),
+                ]
+                .concat();
                 if let Some(f) = &m.shared {
                     v.extend(f.params());
                 }

@@ -147,7 +147,13 @@ impl LayerKind for GatedDeltaKind {
                 a: Linear::load(ctx.weights, &m("in_proj_a"), hidden, nv, false)?,
             },
             "qwen3_next" => Projections::Qwen3Next {
-                qkvz: Linear::load(ctx.weights, &m("in_proj_qkvz"), hidden, 2 * key_dim + 2 * value_dim, false)?,
+                qkvz: Linear::load(
+                    ctx.weights,
+                    &m("in_proj_qkvz"),
+                    hidden,
+                    2 * key_dim + 2 * value_dim,
+                    false,
+                )?,
                 ba: Linear::load(ctx.weights, &m("in_proj_ba"), hidden, 2 * nv, false)?,
             },
             other => {
@@ -193,7 +199,14 @@ impl LayerKind for GatedDeltaKind {
 
 /// One recurrence step: q, k `[B, H, Dk]`, v `[B, H, Dv]`, g, beta `[B, H]`,
 /// state `[B, H, Dv, Dk]` → (y `[B, H, Dv]`, new state).
-fn delta_step(q: &Array, k: &Array, v: &Array, g: &Array, beta: &Array, state: &Array) -> Result<(Array, Array)> {
+fn delta_step(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(Array, Array)> {
     let decay = g.expand_dims(-1)?.expand_dims(-1)?;
     let state = ops::multiply(state, &decay)?;
     let k_row = k.expand_dims(-2)?;
@@ -313,7 +326,12 @@ impl Layer for GatedDelta {
     }
 
     fn params(&self) -> Vec<ParamId> {
-        let mut v = vec![self.input_norm.weight, self.dt_bias, self.a_log, self.norm.weight];
+        let mut v = vec![
+            self.input_norm.weight,
+            self.dt_bias,
+            self.a_log,
+            self.norm.weight,
+        ];
         match &self.proj {
             Projections::Qwen35 { qkv, z, b, a } => {
                 for l in [qkv, z, b, a] {

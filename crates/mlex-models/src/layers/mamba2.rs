@@ -106,9 +106,17 @@ impl LayerKind for Mamba2Kind {
         let mixer_prefix = ctx.path(&o.mixer);
         let m = |n: &str| format!("{mixer_prefix}.{n}");
         Ok(Box::new(Mamba2 {
-            norm: ctx.weights.take(&format!("{}.weight", ctx.path(&o.norm)), &[hidden])?,
+            norm: ctx
+                .weights
+                .take(&format!("{}.weight", ctx.path(&o.norm)), &[hidden])?,
             eps,
-            in_proj: Linear::load(ctx.weights, &m("in_proj"), hidden, inner + conv_dim + heads, proj_bias)?,
+            in_proj: Linear::load(
+                ctx.weights,
+                &m("in_proj"),
+                hidden,
+                inner + conv_dim + heads,
+                proj_bias,
+            )?,
             conv: DepthwiseConv::load(
                 ctx.weights,
                 &m("conv1d"),
@@ -145,7 +153,15 @@ fn segsum(x: &Array) -> Result<Array> {
 impl Mamba2 {
     /// mlx-lm `ssm_attn`: x `[b, l, h, dh]`, dt `[b, l, h]` (raw),
     /// B, C `[b, l, g, n]`, state `[b, h, dh, n]`.
-    fn ssm(&self, p: &Params, x: &Array, dt: &Array, bm: &Array, cm: &Array, state: &Array) -> Result<(Array, Array)> {
+    fn ssm(
+        &self,
+        p: &Params,
+        x: &Array,
+        dt: &Array,
+        bm: &Array,
+        cm: &Array,
+        state: &Array,
+    ) -> Result<(Array, Array)> {
         let s = x.shape().to_vec();
         let (b, l, h, dh) = (s[0], s[1], s[2], s[3]);
         let (g, n) = (self.groups, self.state_dim);
@@ -172,7 +188,9 @@ impl Mamba2 {
             let last = decay.try_index((.., .., (sl - 1)..sl, ..))?; // [b, h, 1, s]
             let last = last.transpose_axes(&[0, 3, 1, 2])?; // [b, s, h, 1]
             let b_rep = repeat_axis1(&bt, h / g)?.swap_axes(2, 3)?; // [b, h, s, n]
-            let dtxdecay = ops::multiply(&dtx_c, &last)?.swap_axes(1, 2)?.swap_axes(2, 3)?; // [b, h, dh, s]
+            let dtxdecay = ops::multiply(&dtx_c, &last)?
+                .swap_axes(1, 2)?
+                .swap_axes(2, 3)?; // [b, h, dh, s]
             let mut next = ops::matmul(&dtxdecay, &b_rep)?; // [b, h, dh, n]
             let cum = ops::exp(dta_c.cumsum(-2, None, None)?)?; // [b, s, h]
             let total = cum.try_index((.., (sl - 1)..sl, ..))?; // [b, 1, h]

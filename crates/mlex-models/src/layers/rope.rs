@@ -107,7 +107,9 @@ impl Rope {
             other => {
                 return Err(cfg.error(
                     "rope_scaling.type",
-                    format!("RoPE scaling `{other}` is not supported (default, linear, llama3, mrope)"),
+                    format!(
+                        "RoPE scaling `{other}` is not supported (default, linear, llama3, mrope)"
+                    ),
                 ))
             }
         }

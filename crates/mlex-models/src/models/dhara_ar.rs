@@ -94,7 +94,10 @@ impl Architecture for DharaAr {
         let c: DharaConfig = config.parse()?;
         let set: String = c.canon_set.to_uppercase();
         if let Some(bad) = set.chars().find(|ch| !"ABCD".contains(*ch)) {
-            return Err(config.error("canon_set", format!("unknown canon position `{bad}` (A, B, C, D)")));
+            return Err(config.error(
+                "canon_set",
+                format!("unknown canon position `{bad}` (A, B, C, D)"),
+            ));
         }
         let canon = (!set.is_empty()).then(|| {
             json!({
@@ -132,7 +135,12 @@ impl Architecture for DharaAr {
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
         // PyTorch Conv1d weights [C, 1, K] → MLX [C, K, 1].
         conv_to_mlx(weights, ".conv.weight")?;
-        if config.value().get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true) {
+        if config
+            .value()
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
+        {
             drop_prefix(weights, "lm_head")?;
         }
         Ok(())

@@ -61,7 +61,10 @@ fn pattern(config: &ModelConfig, c: &NemotronHConfig) -> Result<Vec<char>> {
             "linear_attention" | "mamba" | "conv" => Ok('M'),
             "moe" => Ok('E'),
             "mlp" => Ok('-'),
-            other => Err(config.error("layers_block_type", format!("unsupported block type `{other}`"))),
+            other => Err(config.error(
+                "layers_block_type",
+                format!("unsupported block type `{other}`"),
+            )),
         })
         .collect()
 }

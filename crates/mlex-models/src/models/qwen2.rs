@@ -76,7 +76,12 @@ impl Architecture for Qwen2 {
         ))
     }
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
-        if config.value().get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(true) {
+        if config
+            .value()
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
+        {
             drop_prefix(weights, "lm_head")?;
         }
         Ok(())

@@ -38,9 +38,18 @@ pub struct Qwen3Config {
 
 /// RoPE options shared by qwen3 and qwen3_moe: `rope_theta`/`rope_scaling`
 /// or their `rope_parameters` nesting.
-pub(crate) fn qwen3_rope(config: &ModelConfig, theta: Option<f64>, scaling: Option<&Value>, params: Option<&Value>) -> Result<(f64, Option<Value>)> {
+pub(crate) fn qwen3_rope(
+    config: &ModelConfig,
+    theta: Option<f64>,
+    scaling: Option<&Value>,
+    params: Option<&Value>,
+) -> Result<(f64, Option<Value>)> {
     let theta = theta
-        .or_else(|| params.and_then(|p| p.get("rope_theta")).and_then(Value::as_f64))
+        .or_else(|| {
+            params
+                .and_then(|p| p.get("rope_theta"))
+                .and_then(Value::as_f64)
+        })
         .ok_or_else(|| config.error("rope_theta", "missing from the model config"))?;
     let scaling = scaling.cloned().or_else(|| params.cloned());
     Ok((theta, scaling))
@@ -58,7 +67,12 @@ impl Architecture for Qwen3 {
     }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: Qwen3Config = config.parse()?;
-        let (theta, scaling) = qwen3_rope(config, c.rope_theta, c.rope_scaling.as_ref(), c.rope_parameters.as_ref())?;
+        let (theta, scaling) = qwen3_rope(
+            config,
+            c.rope_theta,
+            c.rope_scaling.as_ref(),
+            c.rope_parameters.as_ref(),
+        )?;
         let o = json!({"qk_norm": "pre_rope", "rope_theta": theta, "rope_scaling": scaling});
         let layers = (0..c.num_hidden_layers)
             .map(|_| ("attention".to_owned(), o.clone()))
@@ -75,7 +89,12 @@ impl Architecture for Qwen3 {
         ))
     }
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
-        if config.value().get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false) {
+        if config
+            .value()
+            .get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+        {
             drop_prefix(weights, "lm_head")?;
         }
         Ok(())

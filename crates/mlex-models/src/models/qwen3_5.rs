@@ -113,8 +113,14 @@ impl Architecture for Qwen35 {
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: Qwen35TextConfig = config.parse()?;
         let rp = &c.rope_parameters;
-        let partial = rp.get("partial_rotary_factor").and_then(Value::as_f64).unwrap_or(0.25);
-        let theta = rp.get("rope_theta").and_then(Value::as_f64).unwrap_or(100000.0);
+        let partial = rp
+            .get("partial_rotary_factor")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.25);
+        let theta = rp
+            .get("rope_theta")
+            .and_then(Value::as_f64)
+            .unwrap_or(100000.0);
         let mut scaling = rp.clone();
         if let Some(o) = scaling.as_object_mut() {
             if !o.contains_key("type") {
@@ -123,11 +129,18 @@ impl Architecture for Qwen35 {
                 }
             }
         }
-        let mlp = if c.num_experts > 0 { "qwen_moe" } else { "swiglu" };
+        let mlp = if c.num_experts > 0 {
+            "qwen_moe"
+        } else {
+            "swiglu"
+        };
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 if (i + 1) % c.full_attention_interval.max(1) != 0 {
-                    ("gated_delta".to_owned(), json!({"layout": "qwen3_5", "mlp": mlp}))
+                    (
+                        "gated_delta".to_owned(),
+                        json!({"layout": "qwen3_5", "mlp": mlp}),
+                    )
                 } else {
                     (
                         "attention".to_owned(),
@@ -175,7 +188,10 @@ impl Architecture for Qwen35 {
         }
         let unsanitized = has_torch_conv(weights, "conv1d.weight");
         drop_where(weights, |n| n.contains("mtp."))?;
-        if text.value()["tie_word_embeddings"].as_bool().unwrap_or(false) {
+        if text.value()["tie_word_embeddings"]
+            .as_bool()
+            .unwrap_or(false)
+        {
             drop_prefix(weights, "language_model.lm_head")?;
         }
         conv_to_mlx(weights, "conv1d.weight")?;
@@ -223,5 +239,15 @@ fn split_gate_up(weights: &mut WeightMap, prefix: &str) -> Result<()> {
 }
 
 mlex_core::register_architecture!("qwen3_5", Qwen35 { name: "qwen3_5" });
-mlex_core::register_architecture!("qwen3_5_text", Qwen35 { name: "qwen3_5_text" });
-mlex_core::register_architecture!("qwen3_5_moe", Qwen35 { name: "qwen3_5_moe" });
+mlex_core::register_architecture!(
+    "qwen3_5_text",
+    Qwen35 {
+        name: "qwen3_5_text"
+    }
+);
+mlex_core::register_architecture!(
+    "qwen3_5_moe",
+    Qwen35 {
+        name: "qwen3_5_moe"
+    }
+);

@@ -54,7 +54,12 @@ impl Architecture for Qwen3Moe {
     }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: Qwen3MoeConfig = config.parse()?;
-        let (theta, scaling) = qwen3_rope(config, c.rope_theta, c.rope_scaling.as_ref(), c.rope_parameters.as_ref())?;
+        let (theta, scaling) = qwen3_rope(
+            config,
+            c.rope_theta,
+            c.rope_scaling.as_ref(),
+            c.rope_parameters.as_ref(),
+        )?;
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 let moe = !c.mlp_only_layers.contains(&(i as i64))
@@ -82,17 +87,27 @@ impl Architecture for Qwen3Moe {
     }
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
         let v = config.value();
-        if v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false) {
+        if v.get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+        {
             drop_prefix(weights, "lm_head")?;
         }
         let experts = v.get("num_experts").and_then(Value::as_u64).unwrap_or(0) as usize;
-        let layers = v.get("num_hidden_layers").and_then(Value::as_u64).unwrap_or(0);
+        let layers = v
+            .get("num_hidden_layers")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
         for l in 0..layers {
             stack_experts(
                 weights,
                 &format!("model.layers.{l}.mlp"),
                 experts,
-                &[("up_proj", "up_proj"), ("down_proj", "down_proj"), ("gate_proj", "gate_proj")],
+                &[
+                    ("up_proj", "up_proj"),
+                    ("down_proj", "down_proj"),
+                    ("gate_proj", "gate_proj"),
+                ],
             )?;
         }
         Ok(())

@@ -72,7 +72,10 @@ impl Architecture for Qwen3Next {
                     && (i as i64 + 1) % c.decoder_sparse_step.max(1) == 0;
                 let mlp = if moe { "qwen_moe" } else { "swiglu" };
                 if (i + 1) % c.full_attention_interval.max(1) != 0 {
-                    ("gated_delta".to_owned(), json!({"layout": "qwen3_next", "mlp": mlp}))
+                    (
+                        "gated_delta".to_owned(),
+                        json!({"layout": "qwen3_next", "mlp": mlp}),
+                    )
                 } else {
                     (
                         "attention".to_owned(),
@@ -107,7 +110,9 @@ impl Architecture for Qwen3Next {
         let moe_layers: Vec<String> = weights
             .names()
             .into_iter()
-            .filter(|k| k.starts_with("model.layers.") && k.ends_with(".mlp.experts.0.up_proj.weight"))
+            .filter(|k| {
+                k.starts_with("model.layers.") && k.ends_with(".mlp.experts.0.up_proj.weight")
+            })
             .map(|k| k.trim_end_matches(".experts.0.up_proj.weight").to_owned())
             .collect();
         if moe_layers.is_empty() {
@@ -115,7 +120,10 @@ impl Architecture for Qwen3Next {
         }
         let v = config.value();
         drop_where(weights, |n| n.contains("mtp."))?;
-        if v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false) {
+        if v.get("tie_word_embeddings")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+        {
             drop_prefix(weights, "lm_head")?;
         }
         let experts = v.get("num_experts").and_then(Value::as_u64).unwrap_or(0) as usize;
@@ -124,7 +132,11 @@ impl Architecture for Qwen3Next {
                 weights,
                 prefix,
                 experts,
-                &[("up_proj", "up_proj"), ("down_proj", "down_proj"), ("gate_proj", "gate_proj")],
+                &[
+                    ("up_proj", "up_proj"),
+                    ("down_proj", "down_proj"),
+                    ("gate_proj", "gate_proj"),
+                ],
             )?;
         }
         conv_to_mlx(weights, "conv1d.weight")?;

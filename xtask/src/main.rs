@@ -8,6 +8,7 @@
 //! - `cuda-bundle`: the `mlex` binary and what it loads, for a CUDA machine.
 
 mod assets;
+mod bundle;
 mod download;
 mod fixtures;
 mod python;
@@ -24,7 +25,8 @@ commands:
   setup          install what building mlex needs (idempotent; offline once done)
   test           setup, cargo fmt --check, clippy -D warnings, fixtures, the whole test suite
   fixtures       make the parity fixtures with mlx-lm (and the NumPy DharaAR reference)
-  demo [PROMPT]  chat with the bundled default model (SmolLM2-135M-Instruct)
+  demo [PROMPT]  answer PROMPT with the bundled default model (SmolLM2-135M-Instruct)
+  cuda-bundle    the release mlex binary + runtime + mlex-cuda-env.sh in target/cuda-bundle
 ";
 
 fn main() {
@@ -44,6 +46,7 @@ fn run() -> Result<()> {
     match cmd.as_str() {
         "setup" => setup::setup().map(|_| ()),
         "test" => test(rest),
+        "cuda-bundle" => bundle::cuda_bundle(rest).map(|_| ()),
         "fixtures" => fixtures::fixtures().map(|p| eprintln!("xtask: fixtures in {}", p.display())),
         "demo" => demo(rest),
         "help" | "--help" | "-h" => {
@@ -97,8 +100,18 @@ fn test(_args: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn demo(_args: &[String]) -> Result<()> {
+fn demo(args: &[String]) -> Result<()> {
     setup::setup()?;
-    eprintln!("xtask: generation is not built yet; running the environment check instead");
-    cargo(&["run", "--release", "--quiet", "-p", "mlex-cli", "--", "env"])
+    let model = assets::smollm2_gguf()?;
+    let prompt = if args.is_empty() {
+        "What is the capital of France?".to_owned()
+    } else {
+        args.join(" ")
+    };
+    eprintln!("xtask: building mlex (release) and asking SmolLM2-135M-Instruct: {prompt}");
+    let model = model.to_string_lossy().into_owned();
+    cargo(&[
+        "run", "--release", "--quiet", "-p", "mlex-cli", "--", "generate", "--model", &model, "--prompt", &prompt,
+        "--max-tokens", "256",
+    ])
 }

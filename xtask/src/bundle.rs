@@ -1,0 +1,54 @@
+//! `cargo xtask cuda-bundle`: a folder with the release `mlex` binary, its
+//! CPU runtime (so it also runs without a GPU), and `mlex-cuda-env.sh`, which
+//! points the binary at a CUDA build of the same MLX version.
+
+use crate::{cargo, setup, workspace_root};
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+
+fn copy_dir(from: &Path, to: &Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for e in std::fs::read_dir(from)? {
+        let e = e?;
+        let dst = to.join(e.file_name());
+        if e.file_type()?.is_dir() {
+            copy_dir(&e.path(), &dst)?;
+        } else {
+            std::fs::copy(e.path(), &dst).with_context(|| format!("copying {}", e.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// Builds the bundle into `out` (default `target/cuda-bundle`).
+pub fn cuda_bundle(args: &[String]) -> Result<PathBuf> {
+    let root = workspace_root();
+    let out = match args.iter().position(|a| a == "--out") {
+        Some(i) => PathBuf::from(args.get(i + 1).context("--out needs a folder")?),
+        None => root.join("target/cuda-bundle"),
+    };
+    setup::setup()?;
+    cargo(&["build", "--release", "-p", "mlex-cli"])?;
+    let release = root.join("target/release");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out)?;
+    std::fs::copy(release.join("mlex"), out.join("mlex"))?;
+    copy_dir(&release.join("mlx"), &out.join("cpu-runtime/mlx"))?;
+    if release.join("mlx_cpu.libs").is_dir() {
+        copy_dir(&release.join("mlx_cpu.libs"), &out.join("cpu-runtime/mlx_cpu.libs"))?;
+    }
+    // The binary looks for its CPU runtime in $ORIGIN/mlx/lib.
+    #[cfg(unix)]
+    std::os::unix::fs::symlink("cpu-runtime/mlx", out.join("mlx"))?;
+    std::fs::copy(root.join("xtask/cuda/mlex-cuda-env.sh"), out.join("mlex-cuda-env.sh"))?;
+    std::fs::write(
+        out.join("README.txt"),
+        "mlex CUDA bundle\n\n\
+         CPU:   ./mlex env\n\
+         CUDA:  eval \"$(sh mlex-cuda-env.sh /path/to/mlx-cuda-runtime)\" && ./mlex env\n\n\
+         The runtime is a CUDA build of MLX of the pinned version (lib/libmlx.so with include/ beside\n\
+         lib/), e.g. the `mlx` folder of the PyPI wheel mlx-cuda-13, or the archive of mlx-cuda-pack.\n",
+    )?;
+    eprintln!("xtask: CUDA bundle in {}", out.display());
+    Ok(out)
+}

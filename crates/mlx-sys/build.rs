@@ -64,7 +64,7 @@ fn main() {
     } else {
         println!("cargo:rustc-link-lib=dylib=stdc++");
     }
-    // Dependents (xtask's bundle builder) read these as DEP_MLX_*.
+    // Published for dependents' build scripts as DEP_MLX_LIB_DIR/VERSION.
     println!("cargo:lib_dir={}", mlx_dir.join("lib").display());
     println!("cargo:version={pin}");
 

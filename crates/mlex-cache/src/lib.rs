@@ -16,6 +16,6 @@ pub mod restore;
 pub mod state;
 
 pub use kv::{ConcatKvCache, KvCache, RotatingKvCache};
-pub use prompt::{PrefixHit, PromptCache};
+pub use prompt::{PrefixHit, PromptCache, StateSnapshot};
 pub use restore::cache_from_tensors;
 pub use state::{conv_window_step, StateCache, StateSpec};

@@ -1,24 +1,26 @@
 //! Prompt-cache prefix reuse that works for hybrid models.
 //!
 //! mlx-lm's prompt cache trims KV caches back to a shared prefix; it gives
-//! up on hybrids because recurrent state cannot be trimmed. This cache keeps
-//! **snapshots** of the whole model cache at token boundaries (the end of a
-//! prompt, the end of a generation, prefill chunk boundaries). Snapshots are
-//! O(layers) copies: MLX arrays are reference counted, and a KV buffer is
-//! only copied when a later write finds it shared.
+//! up on hybrids because recurrent state cannot be trimmed. Here every
+//! entry keeps the whole model cache after its tokens **and snapshots of
+//! the fixed-size (recurrent) state at earlier token boundaries** (the end
+//! of the prompt, say). Restoring boundary `b` clones the final cache, trims
+//! its growing (KV) caches back to `b` and puts the snapshot's recurrent
+//! state in place: exact, and O(layers) — MLX arrays are reference counted,
+//! and a snapshot holds only the small state arrays, never KV buffers, so
+//! taking one costs no copy.
 //!
 //! A lookup finds the entry sharing the longest prefix with the new prompt
-//! and restores the latest snapshot at or before that prefix (for caches
-//! that are all trimmable, a later snapshot trimmed back to the prefix), so
-//! only the rest of the prompt is computed. At least one prompt token is
-//! always left to compute, since generation needs its logits.
+//! and restores the latest usable boundary at or before it (for a model
+//! without recurrent state, any prefix: the KV caches are simply trimmed).
+//! At least one prompt token is always left to compute, since generation
+//! needs its logits.
 //!
-//! The cache is bounded by entries and by bytes (least recently used goes
-//! first) and can be saved to and loaded from a safetensors file carrying a
-//! model fingerprint.
+//! Bounded by entries and by bytes (least recently used goes first); saved
+//! to and loaded from a safetensors file carrying a model fingerprint.
 
 use crate::restore::cache_from_tensors;
-use mlex_core::cache::CacheTensors;
+use mlex_core::cache::{Cache, CacheTensors};
 use mlex_core::error::{Error, Result};
 use mlex_core::model::ModelCache;
 use mlx_rs::Array;
@@ -26,16 +28,77 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+/// The fixed-size caches of a model cache at one token boundary: per layer,
+/// per cache, `Some(copy)` for fixed-size caches and `None` for growing ones.
+#[derive(Clone, Default)]
+pub struct StateSnapshot {
+    layers: Vec<Vec<Option<Box<dyn Cache>>>>,
+}
+
+impl StateSnapshot {
+    /// Copies the fixed-size caches of `cache` (O(layers), no data copy).
+    pub fn of(cache: &ModelCache) -> Self {
+        Self {
+            layers: cache
+                .layers
+                .iter()
+                .map(|l| l.iter().map(|c| (!c.grows()).then(|| c.box_clone())).collect())
+                .collect(),
+        }
+    }
+
+    fn nbytes(&self) -> usize {
+        self.layers.iter().flatten().flatten().map(|c| c.nbytes()).sum()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.layers.iter().flatten().all(Option::is_none)
+    }
+}
+
 struct Entry {
     tokens: Vec<u32>,
-    /// boundary (tokens covered) → cache state after exactly that many tokens.
-    snapshots: BTreeMap<usize, ModelCache>,
+    /// The cache after all of `tokens`.
+    cache: ModelCache,
+    /// boundary → fixed-size state after exactly that many tokens.
+    snapshots: BTreeMap<usize, StateSnapshot>,
     last_used: u64,
 }
 
 impl Entry {
     fn nbytes(&self) -> usize {
-        self.snapshots.values().map(ModelCache::nbytes).sum()
+        self.cache.nbytes() + self.snapshots.values().map(StateSnapshot::nbytes).sum::<usize>()
+    }
+
+    /// True when the model keeps no fixed-size state (attention only).
+    fn stateless(&self) -> bool {
+        self.cache.layers.iter().flatten().all(|c| c.grows())
+    }
+
+    /// The cache after the first `b` tokens, if it can be rebuilt.
+    fn restore(&self, b: usize) -> Option<ModelCache> {
+        let n = self.tokens.len();
+        if b == n {
+            return Some(self.cache.clone());
+        }
+        let growing_trimmable = self.cache.layers.iter().flatten().filter(|c| c.grows()).all(|c| c.is_trimmable());
+        if !growing_trimmable {
+            return None;
+        }
+        let snap = if self.stateless() { None } else { Some(self.snapshots.get(&b)?) };
+        let mut cache = self.cache.clone();
+        for (li, layer) in cache.layers.iter_mut().enumerate() {
+            for (ci, c) in layer.iter_mut().enumerate() {
+                if c.grows() {
+                    if c.trim(n - b) != n - b {
+                        return None;
+                    }
+                } else {
+                    *c = snap?.layers.get(li)?.get(ci)?.as_ref()?.box_clone();
+                }
+            }
+        }
+        Some(cache)
     }
 }
 
@@ -61,7 +124,7 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 
 impl PromptCache {
     /// A cache holding at most `max_entries` sequences and `max_bytes`
-    /// bytes of snapshots.
+    /// bytes.
     pub fn new(max_entries: usize, max_bytes: usize) -> Self {
         Self {
             entries: Vec::new(),
@@ -81,81 +144,68 @@ impl PromptCache {
         self.entries.is_empty()
     }
 
-    /// Bytes held by all snapshots (logical; shared buffers count once per
-    /// snapshot).
+    /// Bytes held (logical; buffers shared between entries count per entry).
     pub fn nbytes(&self) -> usize {
         self.entries.iter().map(Entry::nbytes).sum()
     }
 
-    /// Finds the longest reusable prefix of `tokens`.
+    /// Finds and restores the longest reusable prefix of `tokens`.
     pub fn lookup(&mut self, tokens: &[u32]) -> Option<PrefixHit> {
         if tokens.is_empty() {
             return None;
         }
         let limit = tokens.len() - 1;
-        let mut best: Option<(usize, usize, usize)> = None; // (reused, entry, boundary)
+        let mut best: Option<(usize, usize)> = None; // (reused, entry)
         for (i, e) in self.entries.iter().enumerate() {
             let shared = common_prefix(&e.tokens, tokens).min(limit);
-            if shared == 0 {
-                continue;
-            }
-            // Latest snapshot at or before the shared prefix.
-            let exact = e.snapshots.range(..=shared).next_back().map(|(b, _)| *b);
-            // A later snapshot trimmed back, when nothing in it is recurrent.
-            let trimmed = e
-                .snapshots
-                .range(shared..)
-                .find(|(_, c)| c.is_trimmable())
-                .map(|_| shared);
-            let reuse = match (exact, trimmed) {
-                (Some(a), Some(b)) => Some(a.max(b)),
-                (a, b) => a.or(b),
+            // Candidate boundaries, best first.
+            let candidate = if e.tokens.len() <= shared {
+                Some(e.tokens.len())
+            } else if e.stateless() {
+                Some(shared)
+            } else {
+                e.snapshots.range(..=shared).next_back().map(|(b, _)| *b)
             };
-            if let Some(r) = reuse.filter(|r| *r > 0) {
-                if best.is_none_or(|(b, _, _)| r > b) {
-                    let boundary = if exact == Some(r) {
-                        r
-                    } else {
-                        *e.snapshots.range(shared..).next().expect("found above").0
-                    };
-                    best = Some((r, i, boundary));
+            if let Some(r) = candidate.filter(|r| *r > 0) {
+                if best.is_none_or(|(b, _)| r > b) && e.restore(r).is_some() {
+                    best = Some((r, i));
                 }
             }
         }
-        let (reused, i, boundary) = best?;
+        let (reused, i) = best?;
         self.clock += 1;
         let e = &mut self.entries[i];
         e.last_used = self.clock;
-        let mut cache = e.snapshots[&boundary].clone();
-        if boundary > reused {
-            cache.trim(boundary - reused).ok()?;
-        }
+        let cache = e.restore(reused)?;
         Some(PrefixHit { cache, reused })
     }
 
-    /// Records `tokens` with snapshots `(boundary, cache after boundary
-    /// tokens)`. An entry whose tokens extend an existing one replaces it
-    /// and keeps its snapshots.
-    pub fn insert(&mut self, tokens: &[u32], snapshots: Vec<(usize, ModelCache)>) {
+    /// Records `cache` (the state after all of `tokens`) with fixed-size
+    /// state snapshots at earlier boundaries. An entry whose tokens `tokens`
+    /// extends is replaced, keeping its snapshots.
+    pub fn insert(&mut self, tokens: &[u32], cache: ModelCache, snapshots: Vec<(usize, StateSnapshot)>) {
+        if tokens.is_empty() {
+            return;
+        }
         self.clock += 1;
-        let mut merged: BTreeMap<usize, ModelCache> = BTreeMap::new();
+        let mut merged: BTreeMap<usize, StateSnapshot> = BTreeMap::new();
         self.entries.retain_mut(|e| {
             let extends = e.tokens.len() <= tokens.len() && tokens.starts_with(&e.tokens);
             if extends {
                 merged.append(&mut e.snapshots);
+                merged.insert(e.tokens.len(), StateSnapshot::of(&e.cache));
             }
             !extends
         });
-        for (b, c) in snapshots {
-            if b <= tokens.len() {
-                merged.insert(b, c);
+        for (b, s) in snapshots {
+            if b < tokens.len() && !s.is_empty() {
+                merged.insert(b, s);
             }
         }
-        if merged.is_empty() {
-            return;
-        }
+        merged.retain(|b, s| *b < tokens.len() && !s.is_empty());
         self.entries.push(Entry {
             tokens: tokens.to_vec(),
+            cache,
             snapshots: merged,
             last_used: self.clock,
         });
@@ -163,9 +213,7 @@ impl PromptCache {
     }
 
     fn evict(&mut self) {
-        while self.entries.len() > self.max_entries
-            || (self.entries.len() > 1 && self.nbytes() > self.max_bytes)
-        {
+        while self.entries.len() > self.max_entries || (self.entries.len() > 1 && self.nbytes() > self.max_bytes) {
             let oldest = self
                 .entries
                 .iter()
@@ -175,13 +223,11 @@ impl PromptCache {
                 .expect("non-empty");
             self.entries.remove(oldest);
         }
-        // A single entry over budget keeps only its latest snapshot.
-        if self.nbytes() > self.max_bytes {
-            if let Some(e) = self.entries.first_mut() {
-                while e.snapshots.len() > 1 {
-                    let first = *e.snapshots.keys().next().expect("non-empty");
-                    e.snapshots.remove(&first);
-                }
+        // A single entry over budget drops its oldest snapshots first.
+        if let Some(e) = self.entries.first_mut() {
+            while e.nbytes() > self.max_bytes && !e.snapshots.is_empty() {
+                let first = *e.snapshots.keys().next().expect("non-empty");
+                e.snapshots.remove(&first);
             }
         }
     }
@@ -190,32 +236,51 @@ impl PromptCache {
     pub fn save(&self, path: &Path, fingerprint: &str) -> Result<()> {
         let mut arrays: Vec<(String, Array)> = Vec::new();
         let mut entries = Vec::new();
-        for (ei, e) in self.entries.iter().enumerate() {
-            let mut snaps = Vec::new();
-            for (b, cache) in &e.snapshots {
-                let mut layers = Vec::new();
-                for (li, caches) in cache.layers.iter().enumerate() {
-                    let mut metas = Vec::new();
-                    for (ci, c) in caches.iter().enumerate() {
-                        let t = c.to_tensors();
-                        for (name, a) in t.arrays {
-                            arrays.push((format!("e{ei}.s{b}.l{li}.c{ci}.{name}"), a));
-                        }
-                        metas.push(SavedCache {
-                            kind: c.kind().to_owned(),
-                            meta: t.meta,
-                        });
-                    }
-                    layers.push(metas);
-                }
-                snaps.push(SavedSnapshot {
-                    boundary: *b,
-                    layers,
-                });
+        let mut put = |prefix: String, c: &dyn Cache| -> SavedCache {
+            let t = c.to_tensors();
+            for (name, a) in t.arrays {
+                arrays.push((format!("{prefix}.{name}"), a));
             }
+            SavedCache {
+                kind: c.kind().to_owned(),
+                meta: t.meta,
+            }
+        };
+        for (ei, e) in self.entries.iter().enumerate() {
+            let cache = e
+                .cache
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(li, l)| {
+                    l.iter()
+                        .enumerate()
+                        .map(|(ci, c)| Some(put(format!("e{ei}.final.l{li}.c{ci}"), c.as_ref())))
+                        .collect()
+                })
+                .collect();
+            let snapshots = e
+                .snapshots
+                .iter()
+                .map(|(b, s)| SavedSnapshot {
+                    boundary: *b,
+                    layers: s
+                        .layers
+                        .iter()
+                        .enumerate()
+                        .map(|(li, l)| {
+                            l.iter()
+                                .enumerate()
+                                .map(|(ci, c)| c.as_ref().map(|c| put(format!("e{ei}.s{b}.l{li}.c{ci}"), c.as_ref())))
+                                .collect()
+                        })
+                        .collect(),
+                })
+                .collect();
             entries.push(SavedEntry {
                 tokens: e.tokens.clone(),
-                snapshots: snaps,
+                cache,
+                snapshots,
             });
         }
         let header = SavedHeader {
@@ -236,19 +301,17 @@ impl PromptCache {
     /// `fingerprint` (the same model), else it is an error saying so.
     pub fn load(&mut self, path: &Path, fingerprint: &str) -> Result<()> {
         mlex_core::weights::validate_safetensors(path)?;
-        let (mut arrays, meta) =
-            Array::load_safetensors_with_metadata(path).map_err(|e| Error::BadWeightsFile {
-                file: path.to_owned(),
-                format: "safetensors",
-                message: e.to_string(),
-            })?;
+        let (mut arrays, meta) = Array::load_safetensors_with_metadata(path).map_err(|e| Error::BadWeightsFile {
+            file: path.to_owned(),
+            format: "safetensors",
+            message: e.to_string(),
+        })?;
         let header: SavedHeader = meta
             .get(META_KEY)
             .ok_or_else(|| Error::Cache(format!("{} is not an mlex prompt cache", path.display())))
             .and_then(|s| {
-                serde_json::from_str(s).map_err(|e| {
-                    Error::Cache(format!("{}: bad prompt-cache header: {e}", path.display()))
-                })
+                serde_json::from_str(s)
+                    .map_err(|e| Error::Cache(format!("{}: bad prompt-cache header: {e}", path.display())))
             })?;
         if header.format != FORMAT {
             return Err(Error::Cache(format!(
@@ -265,40 +328,51 @@ impl PromptCache {
                 fingerprint
             )));
         }
+        let mut take = |prefix: String, c: SavedCache| -> Result<Box<dyn Cache>> {
+            let dotted = format!("{prefix}.");
+            let names: Vec<String> = arrays.keys().filter(|k| k.starts_with(&dotted)).cloned().collect();
+            let mut t = CacheTensors {
+                arrays: BTreeMap::new(),
+                meta: c.meta,
+            };
+            for n in names {
+                let a = arrays.remove(&n).expect("listed");
+                t.arrays.insert(n[dotted.len()..].to_owned(), a);
+            }
+            cache_from_tensors(&c.kind, &t)
+        };
         for (ei, e) in header.entries.into_iter().enumerate() {
+            let mut layers = Vec::new();
+            for (li, l) in e.cache.into_iter().enumerate() {
+                let mut out = Vec::new();
+                for (ci, c) in l.into_iter().enumerate() {
+                    let c = c.ok_or_else(|| Error::Cache(format!("{}: incomplete cache", path.display())))?;
+                    out.push(take(format!("e{ei}.final.l{li}.c{ci}"), c)?);
+                }
+                layers.push(out);
+            }
             let mut snapshots = Vec::new();
             for s in e.snapshots {
-                let mut layers = Vec::new();
-                for (li, caches) in s.layers.into_iter().enumerate() {
+                let mut snap = StateSnapshot::default();
+                for (li, l) in s.layers.into_iter().enumerate() {
                     let mut out = Vec::new();
-                    for (ci, c) in caches.into_iter().enumerate() {
-                        let prefix = format!("e{ei}.s{}.l{li}.c{ci}.", s.boundary);
-                        let names: Vec<String> = arrays
-                            .keys()
-                            .filter(|k| k.starts_with(&prefix))
-                            .cloned()
-                            .collect();
-                        let mut t = CacheTensors {
-                            arrays: BTreeMap::new(),
-                            meta: c.meta,
-                        };
-                        for n in names {
-                            let a = arrays.remove(&n).expect("listed");
-                            t.arrays.insert(n[prefix.len()..].to_owned(), a);
-                        }
-                        out.push(cache_from_tensors(&c.kind, &t)?);
+                    for (ci, c) in l.into_iter().enumerate() {
+                        out.push(match c {
+                            Some(c) => Some(take(format!("e{ei}.s{}.l{li}.c{ci}", s.boundary), c)?),
+                            None => None,
+                        });
                     }
-                    layers.push(out);
+                    snap.layers.push(out);
                 }
-                snapshots.push((s.boundary, ModelCache { layers }));
+                snapshots.push((s.boundary, snap));
             }
-            self.insert(&e.tokens, snapshots);
+            self.insert(&e.tokens, ModelCache { layers }, snapshots);
         }
         Ok(())
     }
 }
 
-const FORMAT: &str = "mlex-prompt-cache-1";
+const FORMAT: &str = "mlex-prompt-cache-2";
 const META_KEY: &str = "mlex.prompt_cache";
 
 #[derive(Serialize, Deserialize)]
@@ -311,13 +385,14 @@ struct SavedHeader {
 #[derive(Serialize, Deserialize)]
 struct SavedEntry {
     tokens: Vec<u32>,
+    cache: Vec<Vec<Option<SavedCache>>>,
     snapshots: Vec<SavedSnapshot>,
 }
 
 #[derive(Serialize, Deserialize)]
 struct SavedSnapshot {
     boundary: usize,
-    layers: Vec<Vec<SavedCache>>,
+    layers: Vec<Vec<Option<SavedCache>>>,
 }
 
 #[derive(Serialize, Deserialize)]

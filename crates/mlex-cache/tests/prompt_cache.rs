@@ -2,7 +2,7 @@
 //! recurrent state of a shared prefix exactly, an attention-only model
 //! trims, the LRU bounds hold, and saved caches refuse another model.
 
-use mlex_cache::PromptCache;
+use mlex_cache::{PromptCache, StateSnapshot};
 use mlex_core::model::{Model, ModelCache};
 use mlex_testkit::*;
 
@@ -45,10 +45,7 @@ fn hybrid_prefix_restores_recurrent_state_exactly() {
     );
     let mut pc = PromptCache::new(4, 1 << 30);
     let a = &prompt[..16];
-    pc.insert(
-        &u32s(a),
-        vec![(8, run(&model, &a[..8])), (16, run(&model, a))],
-    );
+    pc.insert(&u32s(a), run(&model, a), vec![(8, StateSnapshot::of(&run(&model, &a[..8])))]);
 
     // A longer prompt sharing all of `a`: restore after 16, compute 3.
     let mut b = a.to_vec();
@@ -81,7 +78,7 @@ fn attention_only_prefix_is_trimmed() {
     };
     let mut pc = PromptCache::new(4, 1 << 30);
     let a = &prompt[..16];
-    pc.insert(&u32s(a), vec![(16, run(&model, a))]);
+    pc.insert(&u32s(a), run(&model, a), vec![]);
     let mut c = a[..10].to_vec();
     c.extend([3, 4]);
     let hit = pc.lookup(&u32s(&c)).expect("trimmed hit");
@@ -100,7 +97,7 @@ fn bounded_by_entries_and_bytes() {
         let p: Vec<i32> = std::iter::once(i)
             .chain(prompt[1..6].iter().copied())
             .collect();
-        pc.insert(&u32s(&p), vec![(p.len(), run(&model, &p))]);
+        pc.insert(&u32s(&p), run(&model, &p), vec![]);
     }
     assert_eq!(pc.len(), 2);
     let first: Vec<u32> = u32s(&[0, prompt[1], prompt[2], 9]);
@@ -110,11 +107,8 @@ fn bounded_by_entries_and_bytes() {
     );
     let one = run(&model, &prompt[..6]).nbytes();
     let mut small = PromptCache::new(10, one + one / 2);
-    small.insert(&u32s(&prompt[..6]), vec![(6, run(&model, &prompt[..6]))]);
-    small.insert(
-        &u32s(&[1, 2, 3, 4, 5, 6]),
-        vec![(6, run(&model, &[1, 2, 3, 4, 5, 6]))],
-    );
+    small.insert(&u32s(&prompt[..6]), run(&model, &prompt[..6]), vec![]);
+    small.insert(&u32s(&[1, 2, 3, 4, 5, 6]), run(&model, &[1, 2, 3, 4, 5, 6]), vec![]);
     assert_eq!(small.len(), 1);
     assert!(small.nbytes() <= one + one / 2);
 }
@@ -128,7 +122,8 @@ fn save_and_load_with_fingerprint() {
     let loaded = mlex_models::load::load(path_of(&f).to_str().unwrap(), registry).unwrap();
     let (model, prompt) = (&loaded.model, reference(&f).prompt);
     let mut pc = PromptCache::new(4, 1 << 30);
-    pc.insert(&u32s(&prompt), vec![(prompt.len(), run(model, &prompt))]);
+    let half = prompt.len() / 2;
+    pc.insert(&u32s(&prompt), run(model, &prompt), vec![(half, StateSnapshot::of(&run(model, &prompt[..half])))]);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cache.safetensors");
     pc.save(&path, &loaded.fingerprint).unwrap();
@@ -140,6 +135,12 @@ fn save_and_load_with_fingerprint() {
     let hit = back.lookup(&u32s(&b)).expect("restored entry");
     assert_eq!(hit.reused, prompt.len());
     assert!(continue_vs_full(model, hit.cache, &b[prompt.len()..], &b) < 1e-5);
+    // The saved snapshot (a recurrent model) restores too.
+    let mut c = prompt[..half].to_vec();
+    c.push(7);
+    let hit = back.lookup(&u32s(&c)).expect("snapshot restored");
+    assert_eq!(hit.reused, half);
+    assert!(continue_vs_full(model, hit.cache, &c[half..], &c) < 1e-5);
 
     let err = PromptCache::new(4, 1 << 30)
         .load(&path, "llama-0123456789abcdef")

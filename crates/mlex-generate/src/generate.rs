@@ -12,7 +12,7 @@
 //!   [`SegmentedDecoder`] unless compilation is off.
 
 use crate::sampler::{Sampler, SamplerConfig};
-use mlex_cache::PromptCache;
+use mlex_cache::{PromptCache, StateSnapshot};
 use mlex_compile::SegmentedDecoder;
 use mlex_core::error::{Error, Result};
 use mlex_core::model::{Model, ModelCache};
@@ -202,7 +202,8 @@ impl Generator {
             None => (self.model.make_cache(1)?, 0),
         };
         let logits = self.prefill(&prompt[reused..], &mut cache)?;
-        let prompt_snapshot = opts.use_prompt_cache.then(|| cache.clone());
+        // Only the fixed-size state: holding it costs no copy of the KV caches.
+        let prompt_snapshot = opts.use_prompt_cache.then(|| StateSnapshot::of(&cache));
 
         let ctx = opts.sampler.repetition_context.max(1);
         let tail: Vec<i32> = prompt[prompt.len().saturating_sub(ctx)..]
@@ -264,9 +265,7 @@ impl Generator {
         let end = Instant::now();
         let first_at = first_at.unwrap_or(end);
         if let Some(snap) = prompt_snapshot {
-            let total = fed.len();
-            self.prompt_cache
-                .insert(&fed, vec![(prompt.len(), snap), (total, cache)]);
+            self.prompt_cache.insert(&fed, cache, vec![(prompt.len(), snap)]);
         }
         Ok(Generation {
             tokens: out,

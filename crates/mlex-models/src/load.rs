@@ -174,17 +174,28 @@ fn fnv(hash: &mut u64, bytes: &[u8]) {
     }
 }
 
-/// A fingerprint of a model: architecture, config and every tensor's name,
-/// shape and dtype.
-pub fn fingerprint(model: &Model) -> String {
+/// A fingerprint of a model: architecture, config, every tensor's name,
+/// shape and dtype, and a sample of the values (the first elements of the
+/// first tensors), so two checkpoints of one shape differ.
+pub fn fingerprint(model: &Model) -> Result<String> {
     let mut h = 0xcbf29ce484222325u64;
     fnv(&mut h, model.arch.as_bytes());
     fnv(&mut h, model.config.value().to_string().as_bytes());
-    for (name, a) in model.params.iter() {
+    for (i, (name, a)) in model.params.iter().enumerate() {
         fnv(&mut h, name.as_bytes());
         fnv(&mut h, format!("{:?}{:?}", a.shape(), a.dtype()).as_bytes());
+        if i < 8 && a.size() > 0 {
+            use mlx_rs::ops::indexing::TryIndexOp;
+            let flat = mlx_rs::ops::reshape(a, &[-1])?;
+            let n = (flat.size() as i32).min(64);
+            let sample = flat.try_index(..n)?.as_dtype(mlx_rs::Dtype::Float32)?;
+            sample.eval()?;
+            for v in sample.try_as_slice::<f32>()? {
+                fnv(&mut h, &v.to_le_bytes());
+            }
+        }
     }
-    format!("{}-{h:016x}", model.arch)
+    Ok(format!("{}-{h:016x}", model.arch))
 }
 
 /// Loads the model at `spec` with the architectures of `registry`.
@@ -220,7 +231,7 @@ pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
         .architecture(config.model_type()?)
         .map_err(|e| with_file(e, config.file()))?;
     let model = Model::build(arch.as_ref(), &config, weights, registry)?;
-    let fingerprint = fingerprint(&model);
+    let fingerprint = fingerprint(&model)?;
     Ok(LoadedModel {
         model,
         source,

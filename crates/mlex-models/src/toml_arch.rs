@@ -15,9 +15,10 @@
 //! sliding_window = 4096
 //! ```
 //!
-//! Each layer takes the options the base architecture gives the first layer
-//! of the same kind (so a `gated_delta` layer keeps Qwen3-Next's layout),
-//! then the overrides above.
+//! Each layer takes the options the base architecture gives that layer when
+//! it is of the same kind (keeping per-layer choices such as MoE vs dense),
+//! else those of the base's first layer of the kind (so a `gated_delta` layer
+//! keeps Qwen3-Next's layout), then the overrides above.
 
 use mlex_core::arch::{Architecture, ModelPlan};
 use mlex_core::config::ModelConfig;
@@ -168,10 +169,17 @@ impl Architecture for TomlArchitecture {
         }
         for (i, layer) in plan.layers.iter_mut().enumerate() {
             let kind = &self.pattern[i % self.pattern.len()];
-            let mut opts = base_options
-                .get(kind)
-                .cloned()
-                .unwrap_or_else(|| Value::Object(Default::default()));
+            // The base's own options for this layer when it is of the same
+            // kind (keeps per-layer choices such as MoE vs dense MLP), else
+            // those of the base's first layer of that kind.
+            let mut opts = if &layer.kind == kind {
+                layer.options.clone()
+            } else {
+                base_options
+                    .get(kind)
+                    .cloned()
+                    .unwrap_or_else(|| Value::Object(Default::default()))
+            };
             if let Some(m) = &self.mlp {
                 if opts.is_object() {
                     opts["mlp"] = Value::String(m.clone());

@@ -188,7 +188,7 @@ pub fn prefill(
 }
 
 /// Tolerance on logits by fixture dtype/quantization (stated in the
-/// README's parity section).
+/// README's "Parity with mlx-lm" section).
 pub fn tolerance(f: &Fixture) -> f32 {
     match (f.dtype.as_str(), f.quant.is_some(), f.layout.as_str()) {
         (_, _, "gguf") => 2e-2,

@@ -310,8 +310,8 @@ impl Attention {
                 canon.c = Some(load(ctx, ctx.path("canon_c.conv"), hidden)?);
             }
             if c.set.contains('D') {
-                if intermediate == 0 {
-                    return Err(ctx.config.error("canon_set", "canon D needs an MLP"));
+                if !matches!(ffn, Some(Ffn::SwiGlu { .. })) {
+                    return Err(ctx.config.error("canon_set", "canon D needs a SwiGLU MLP"));
                 }
                 canon.d = Some(load(
                     ctx,

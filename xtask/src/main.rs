@@ -8,6 +8,7 @@
 //! - `cuda-bundle`: the `mlex` binary and what it loads, for a CUDA machine.
 
 mod assets;
+mod bench;
 mod bundle;
 mod download;
 mod fixtures;
@@ -26,6 +27,7 @@ commands:
   test           setup, cargo fmt --check, clippy -D warnings, fixtures, the whole test suite
   fixtures       make the parity fixtures with mlx-lm (and the NumPy DharaAR reference)
   demo [PROMPT]  answer PROMPT with the bundled default model (SmolLM2-135M-Instruct)
+  bench-compare  mlex bench and mlx-lm side by side on the same checkpoints (CPU)
   cuda-bundle    the release mlex binary + runtime + mlex-cuda-env.sh in target/cuda-bundle
 ";
 
@@ -46,6 +48,7 @@ fn run() -> Result<()> {
     match cmd.as_str() {
         "setup" => setup::setup().map(|_| ()),
         "test" => test(rest),
+        "bench-compare" => bench::compare(rest),
         "cuda-bundle" => bundle::cuda_bundle(rest).map(|_| ()),
         "fixtures" => fixtures::fixtures().map(|p| eprintln!("xtask: fixtures in {}", p.display())),
         "demo" => demo(rest),

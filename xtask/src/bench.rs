@@ -31,7 +31,12 @@ pub fn compare(args: &[String]) -> Result<()> {
         .map(String::as_str)
         .unwrap_or("2");
     let cases = [
-        ("SmolLM2-135M-Instruct Q4 (export)", "smollm2-export", 128, 128),
+        (
+            "SmolLM2-135M-Instruct Q4 (export)",
+            "smollm2-export",
+            128,
+            128,
+        ),
         ("qwen3_5 tiny hybrid f32", "qwen3_5-f32", 128, 256),
         ("qwen3_5 tiny hybrid 4-bit", "qwen3_5-q4", 128, 256),
     ];
@@ -42,13 +47,24 @@ pub fn compare(args: &[String]) -> Result<()> {
         let mut ours = Vec::new();
         for extra in [&[][..], &["--no-compile"][..]] {
             let out = Command::new(&mlex)
-                .args(["bench", "--device", "cpu", "--format", "json", "--repeats", repeats])
+                .args([
+                    "bench",
+                    "--device",
+                    "cpu",
+                    "--format",
+                    "json",
+                    "--repeats",
+                    repeats,
+                ])
                 .args(["--prompt-len", &p, "--gen", &n, "--model"])
                 .arg(&dir)
                 .args(extra)
                 .output()?;
             if !out.status.success() {
-                bail!("mlex bench on {name} failed: {}", String::from_utf8_lossy(&out.stderr));
+                bail!(
+                    "mlex bench on {name} failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
             }
             ours.push(last_json(&out.stdout)?);
         }
@@ -58,7 +74,10 @@ pub fn compare(args: &[String]) -> Result<()> {
             .args(["--prompt-len", &p, "--gen", &n, "--repeats", repeats])
             .output()?;
         if !out.status.success() {
-            bail!("mlx-lm bench on {name} failed: {}", String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "mlx-lm bench on {name} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         let theirs = last_json(&out.stdout)?;
         let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);

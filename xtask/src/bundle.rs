@@ -14,7 +14,8 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
         if e.file_type()?.is_dir() {
             copy_dir(&e.path(), &dst)?;
         } else {
-            std::fs::copy(e.path(), &dst).with_context(|| format!("copying {}", e.path().display()))?;
+            std::fs::copy(e.path(), &dst)
+                .with_context(|| format!("copying {}", e.path().display()))?;
         }
     }
     Ok(())
@@ -35,12 +36,18 @@ pub fn cuda_bundle(args: &[String]) -> Result<PathBuf> {
     std::fs::copy(release.join("mlex"), out.join("mlex"))?;
     copy_dir(&release.join("mlx"), &out.join("cpu-runtime/mlx"))?;
     if release.join("mlx_cpu.libs").is_dir() {
-        copy_dir(&release.join("mlx_cpu.libs"), &out.join("cpu-runtime/mlx_cpu.libs"))?;
+        copy_dir(
+            &release.join("mlx_cpu.libs"),
+            &out.join("cpu-runtime/mlx_cpu.libs"),
+        )?;
     }
     // The binary looks for its CPU runtime in $ORIGIN/mlx/lib.
     #[cfg(unix)]
     std::os::unix::fs::symlink("cpu-runtime/mlx", out.join("mlx"))?;
-    std::fs::copy(root.join("xtask/cuda/mlex-cuda-env.sh"), out.join("mlex-cuda-env.sh"))?;
+    std::fs::copy(
+        root.join("xtask/cuda/mlex-cuda-env.sh"),
+        out.join("mlex-cuda-env.sh"),
+    )?;
     std::fs::write(
         out.join("README.txt"),
         "mlex CUDA bundle\n\n\

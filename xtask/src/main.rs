@@ -114,7 +114,18 @@ fn demo(args: &[String]) -> Result<()> {
     eprintln!("xtask: building mlex (release) and asking SmolLM2-135M-Instruct: {prompt}");
     let model = model.to_string_lossy().into_owned();
     cargo(&[
-        "run", "--release", "--quiet", "-p", "mlex-cli", "--", "generate", "--model", &model, "--prompt", &prompt,
-        "--max-tokens", "256",
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "mlex-cli",
+        "--",
+        "generate",
+        "--model",
+        &model,
+        "--prompt",
+        &prompt,
+        "--max-tokens",
+        "256",
     ])
 }

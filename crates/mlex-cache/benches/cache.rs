@@ -65,7 +65,7 @@ fn prefix_restore(c: &mut Criterion) {
     let model = mlex_models::load::load(mlex_testkit::path_of(&f).to_str().unwrap(), registry)
         .unwrap()
         .model;
-    let prefix: Vec<i32> = (0..512).map(|i| (i * 37 % 256) as i32).collect();
+    let prefix: Vec<i32> = (0..512).map(|i| i * 37 % 256).collect();
     let ids = |v: &[i32]| Array::from_slice(v, &[1, v.len() as i32]);
     let mut full = model.make_cache(1).unwrap();
     model.forward_hidden(&ids(&prefix), &mut full).unwrap();

@@ -42,13 +42,22 @@ impl StateSnapshot {
             layers: cache
                 .layers
                 .iter()
-                .map(|l| l.iter().map(|c| (!c.grows()).then(|| c.box_clone())).collect())
+                .map(|l| {
+                    l.iter()
+                        .map(|c| (!c.grows()).then(|| c.box_clone()))
+                        .collect()
+                })
                 .collect(),
         }
     }
 
     fn nbytes(&self) -> usize {
-        self.layers.iter().flatten().flatten().map(|c| c.nbytes()).sum()
+        self.layers
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|c| c.nbytes())
+            .sum()
     }
 
     fn is_empty(&self) -> bool {
@@ -67,7 +76,12 @@ struct Entry {
 
 impl Entry {
     fn nbytes(&self) -> usize {
-        self.cache.nbytes() + self.snapshots.values().map(StateSnapshot::nbytes).sum::<usize>()
+        self.cache.nbytes()
+            + self
+                .snapshots
+                .values()
+                .map(StateSnapshot::nbytes)
+                .sum::<usize>()
     }
 
     /// True when the model keeps no fixed-size state (attention only).
@@ -81,11 +95,21 @@ impl Entry {
         if b == n {
             return Some(self.cache.clone());
         }
-        let growing_trimmable = self.cache.layers.iter().flatten().filter(|c| c.grows()).all(|c| c.is_trimmable());
+        let growing_trimmable = self
+            .cache
+            .layers
+            .iter()
+            .flatten()
+            .filter(|c| c.grows())
+            .all(|c| c.is_trimmable());
         if !growing_trimmable {
             return None;
         }
-        let snap = if self.stateless() { None } else { Some(self.snapshots.get(&b)?) };
+        let snap = if self.stateless() {
+            None
+        } else {
+            Some(self.snapshots.get(&b)?)
+        };
         let mut cache = self.cache.clone();
         for (li, layer) in cache.layers.iter_mut().enumerate() {
             for (ci, c) in layer.iter_mut().enumerate() {
@@ -183,7 +207,12 @@ impl PromptCache {
     /// Records `cache` (the state after all of `tokens`) with fixed-size
     /// state snapshots at earlier boundaries. An entry whose tokens `tokens`
     /// extends is replaced, keeping its snapshots.
-    pub fn insert(&mut self, tokens: &[u32], cache: ModelCache, snapshots: Vec<(usize, StateSnapshot)>) {
+    pub fn insert(
+        &mut self,
+        tokens: &[u32],
+        cache: ModelCache,
+        snapshots: Vec<(usize, StateSnapshot)>,
+    ) {
         if tokens.is_empty() {
             return;
         }
@@ -213,7 +242,9 @@ impl PromptCache {
     }
 
     fn evict(&mut self) {
-        while self.entries.len() > self.max_entries || (self.entries.len() > 1 && self.nbytes() > self.max_bytes) {
+        while self.entries.len() > self.max_entries
+            || (self.entries.len() > 1 && self.nbytes() > self.max_bytes)
+        {
             let oldest = self
                 .entries
                 .iter()
@@ -271,7 +302,10 @@ impl PromptCache {
                         .map(|(li, l)| {
                             l.iter()
                                 .enumerate()
-                                .map(|(ci, c)| c.as_ref().map(|c| put(format!("e{ei}.s{b}.l{li}.c{ci}"), c.as_ref())))
+                                .map(|(ci, c)| {
+                                    c.as_ref()
+                                        .map(|c| put(format!("e{ei}.s{b}.l{li}.c{ci}"), c.as_ref()))
+                                })
                                 .collect()
                         })
                         .collect(),
@@ -301,17 +335,19 @@ impl PromptCache {
     /// `fingerprint` (the same model), else it is an error saying so.
     pub fn load(&mut self, path: &Path, fingerprint: &str) -> Result<()> {
         mlex_core::weights::validate_safetensors(path)?;
-        let (mut arrays, meta) = Array::load_safetensors_with_metadata(path).map_err(|e| Error::BadWeightsFile {
-            file: path.to_owned(),
-            format: "safetensors",
-            message: e.to_string(),
-        })?;
+        let (mut arrays, meta) =
+            Array::load_safetensors_with_metadata(path).map_err(|e| Error::BadWeightsFile {
+                file: path.to_owned(),
+                format: "safetensors",
+                message: e.to_string(),
+            })?;
         let header: SavedHeader = meta
             .get(META_KEY)
             .ok_or_else(|| Error::Cache(format!("{} is not an mlex prompt cache", path.display())))
             .and_then(|s| {
-                serde_json::from_str(s)
-                    .map_err(|e| Error::Cache(format!("{}: bad prompt-cache header: {e}", path.display())))
+                serde_json::from_str(s).map_err(|e| {
+                    Error::Cache(format!("{}: bad prompt-cache header: {e}", path.display()))
+                })
             })?;
         if header.format != FORMAT {
             return Err(Error::Cache(format!(
@@ -330,7 +366,11 @@ impl PromptCache {
         }
         let mut take = |prefix: String, c: SavedCache| -> Result<Box<dyn Cache>> {
             let dotted = format!("{prefix}.");
-            let names: Vec<String> = arrays.keys().filter(|k| k.starts_with(&dotted)).cloned().collect();
+            let names: Vec<String> = arrays
+                .keys()
+                .filter(|k| k.starts_with(&dotted))
+                .cloned()
+                .collect();
             let mut t = CacheTensors {
                 arrays: BTreeMap::new(),
                 meta: c.meta,
@@ -346,7 +386,9 @@ impl PromptCache {
             for (li, l) in e.cache.into_iter().enumerate() {
                 let mut out = Vec::new();
                 for (ci, c) in l.into_iter().enumerate() {
-                    let c = c.ok_or_else(|| Error::Cache(format!("{}: incomplete cache", path.display())))?;
+                    let c = c.ok_or_else(|| {
+                        Error::Cache(format!("{}: incomplete cache", path.display()))
+                    })?;
                     out.push(take(format!("e{ei}.final.l{li}.c{ci}"), c)?);
                 }
                 layers.push(out);

@@ -45,7 +45,11 @@ fn hybrid_prefix_restores_recurrent_state_exactly() {
     );
     let mut pc = PromptCache::new(4, 1 << 30);
     let a = &prompt[..16];
-    pc.insert(&u32s(a), run(&model, a), vec![(8, StateSnapshot::of(&run(&model, &a[..8])))]);
+    pc.insert(
+        &u32s(a),
+        run(&model, a),
+        vec![(8, StateSnapshot::of(&run(&model, &a[..8])))],
+    );
 
     // A longer prompt sharing all of `a`: restore after 16, compute 3.
     let mut b = a.to_vec();
@@ -108,7 +112,11 @@ fn bounded_by_entries_and_bytes() {
     let one = run(&model, &prompt[..6]).nbytes();
     let mut small = PromptCache::new(10, one + one / 2);
     small.insert(&u32s(&prompt[..6]), run(&model, &prompt[..6]), vec![]);
-    small.insert(&u32s(&[1, 2, 3, 4, 5, 6]), run(&model, &[1, 2, 3, 4, 5, 6]), vec![]);
+    small.insert(
+        &u32s(&[1, 2, 3, 4, 5, 6]),
+        run(&model, &[1, 2, 3, 4, 5, 6]),
+        vec![],
+    );
     assert_eq!(small.len(), 1);
     assert!(small.nbytes() <= one + one / 2);
 }
@@ -123,7 +131,11 @@ fn save_and_load_with_fingerprint() {
     let (model, prompt) = (&loaded.model, reference(&f).prompt);
     let mut pc = PromptCache::new(4, 1 << 30);
     let half = prompt.len() / 2;
-    pc.insert(&u32s(&prompt), run(model, &prompt), vec![(half, StateSnapshot::of(&run(model, &prompt[..half])))]);
+    pc.insert(
+        &u32s(&prompt),
+        run(model, &prompt),
+        vec![(half, StateSnapshot::of(&run(model, &prompt[..half])))],
+    );
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cache.safetensors");
     pc.save(&path, &loaded.fingerprint).unwrap();

@@ -85,6 +85,12 @@ pub struct ModelArgs {
     /// Run decode steps eagerly instead of through compiled segments.
     #[arg(long)]
     pub no_compile: bool,
+    /// Quantize the weights on load to this many bits (2, 3, 4, 5, 6, 8).
+    #[arg(long, value_name = "BITS")]
+    pub quantize: Option<i32>,
+    /// Group size for --quantize (32, 64, 128).
+    #[arg(long, default_value_t = 64)]
+    pub group_size: i32,
 }
 
 /// Sampling options.

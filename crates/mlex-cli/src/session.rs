@@ -46,6 +46,23 @@ pub fn load_model(spec: &str, registry: &Registry) -> Result<LoadedModel> {
     Ok(loaded)
 }
 
+/// Loads the model of `m` and quantizes it when `--quantize` asks.
+pub fn load_with(m: &ModelArgs, registry: &Registry) -> Result<LoadedModel> {
+    let mut loaded = load_model(&m.model, registry)?;
+    if let Some(bits) = m.quantize {
+        let arch = registry.architecture(&loaded.model.arch)?;
+        loaded.model = mlex_models::quantize::quantize(
+            &loaded.model,
+            arch.as_ref(),
+            registry,
+            m.group_size,
+            bits,
+        )?;
+        loaded.fingerprint = mlex_models::load::fingerprint(&loaded.model)?;
+    }
+    Ok(loaded)
+}
+
 /// The model's tokenizer (from the directory or the GGUF metadata).
 pub fn tokenizer_for(loaded: &LoadedModel) -> Result<Tokenizer> {
     match (&loaded.source, &loaded.gguf_tokenizer) {

@@ -151,6 +151,28 @@ mod tests {
         );
     }
 
+    #[test]
+    fn several_growing_kinds_and_stateless_layers() {
+        // From layer kinds' declared state: full and sliding attention both
+        // grow; gated delta, mamba2 (fixed state), mlp and moe (none) do not.
+        use mlex_core::layer::StateKind;
+        let plan = [
+            StateKind::Fixed,           // mamba2
+            StateKind::None,            // mlp
+            StateKind::Growing,         // attention
+            StateKind::None,            // moe
+            StateKind::GrowingAndFixed, // attention with canon windows
+            StateKind::Growing,         // sliding attention
+            StateKind::Fixed,           // gated delta
+        ];
+        let grows: Vec<bool> = plan.iter().map(|k| k.grows()).collect();
+        let s = Schedule::new(&grows);
+        assert_eq!(
+            s.render(),
+            "[E H0 T0 H1 T1 H2] G2 [T2 H3 T3 H4] G4 [T4 H5] G5 [T5 H6 T6 L]"
+        );
+    }
+
     proptest! {
         #[test]
         fn every_phase_once_in_order_and_cuts_exactly_at_growing_layers(

@@ -51,7 +51,9 @@ fn traces_of_identical_shapes_stay_separate() {
     let x = Array::from_slice(&[1f32, 2.0, 3.0], &[3]);
     for round in 0..2 {
         for (i, t) in traces.iter_mut().enumerate() {
-            let out = t.call(7, std::slice::from_ref(&x), make(i as f32 + 1.0)).unwrap();
+            let out = t
+                .call(7, std::slice::from_ref(&x), make(i as f32 + 1.0))
+                .unwrap();
             let k = i as f32 + 1.0;
             assert_eq!(
                 values(&out[0]),
@@ -168,4 +170,47 @@ fn a_weight_update_after_compiling_changes_the_next_step() {
         "a value update must not retrace: {:?}",
         dec.times_traced()
     );
+}
+
+#[test]
+fn quantizing_rebuilds_the_traces() {
+    let Some(f) = fixture("qwen3_5-f32") else {
+        return;
+    };
+    let registry = mlex_models::registry().unwrap();
+    let model = mlex_models::load::load(path_of(&f).to_str().unwrap(), registry)
+        .unwrap()
+        .model;
+    let r = reference(&f);
+    let mut dec = SegmentedDecoder::new(&model);
+    let mut cache = model.make_cache(1).unwrap();
+    prefill(&model, &mut cache, &r.prompt, None);
+    let dense = to_f32(&dec.step(&model, &tokens(&[5]), &mut cache).unwrap());
+    assert!(dec.times_traced().iter().all(|&t| t == 1));
+
+    let arch = registry.architecture("qwen3_5").unwrap();
+    let q = mlex_models::quantize::quantize(&model, arch.as_ref(), registry, 64, 4).unwrap();
+    assert!(
+        q.params.len() > model.params.len(),
+        "scales and biases were added"
+    );
+    let mut cache = q.make_cache(1).unwrap();
+    prefill(&q, &mut cache, &r.prompt, None);
+    let snapshot = cache.clone();
+    let compiled = to_f32(&dec.step(&q, &tokens(&[5]), &mut cache).unwrap());
+    assert!(
+        dec.times_traced().iter().all(|&t| t == 2),
+        "new weight structure, new traces: {:?}",
+        dec.times_traced()
+    );
+    let mut cache = snapshot;
+    let eager = to_f32(&q.forward_last(&tokens(&[5]), &mut cache).unwrap());
+    let (d, m) = max_diff(&compiled, &eager);
+    assert!(
+        d <= 1e-5 * m.max(1.0),
+        "compiled on the quantized model differs from eager by {d}"
+    );
+    let (d, _) = max_diff(&compiled, &dense);
+    assert!(d > 1e-4, "4-bit weights change the logits");
+    assert!(mlex_models::quantize::quantize(&q, arch.as_ref(), registry, 64, 4).is_err());
 }

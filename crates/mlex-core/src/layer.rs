@@ -62,6 +62,13 @@ pub trait Layer: Send + Sync {
             .ok_or_else(|| Error::Other("layer phase produced no output".into()))
     }
 
+    /// The weights affine quantization may pack: dense linear and expert
+    /// matrices (never norms, convolutions, or routers that are plain
+    /// parameters). Used by `mlex_models::quantize`.
+    fn quantizable(&self) -> Vec<ParamId> {
+        Vec::new()
+    }
+
     /// A one-line description for `mlex inspect`.
     fn describe(&self) -> String {
         self.kind().to_owned()

@@ -112,6 +112,11 @@ impl Linear {
         })
     }
 
+    /// The weight, when it is dense (and so could be quantized).
+    pub fn quantizable(&self) -> Option<ParamId> {
+        self.quant.is_none().then_some(self.weight)
+    }
+
     /// Every weight this layer reads.
     pub fn params(&self) -> Vec<ParamId> {
         let mut v = vec![self.weight];
@@ -187,6 +192,11 @@ impl Embedding {
             v.push(q.biases);
         }
         v
+    }
+
+    /// The table, when it is dense (and so could be quantized).
+    pub fn quantizable(&self) -> Option<ParamId> {
+        self.quant.is_none().then_some(self.weight)
     }
 
     /// The dtype of the embedding's output.

@@ -29,6 +29,7 @@ impl Message {
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos: Option<String>,
     eos: Option<String>,
 }
@@ -54,7 +55,17 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         env.add_template_owned("chat", source.to_owned())
             .map_err(|e| Error::Other(format!("chat template does not compile: {e}")))?;
-        Ok(Self { env, bos, eos })
+        Ok(Self {
+            env,
+            source: source.to_owned(),
+            bos,
+            eos,
+        })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders `messages`, ending with the assistant's turn opening when

@@ -265,7 +265,8 @@ impl Generator {
         let end = Instant::now();
         let first_at = first_at.unwrap_or(end);
         if let Some(snap) = prompt_snapshot {
-            self.prompt_cache.insert(&fed, cache, vec![(prompt.len(), snap)]);
+            self.prompt_cache
+                .insert(&fed, cache, vec![(prompt.len(), snap)]);
         }
         Ok(Generation {
             tokens: out,

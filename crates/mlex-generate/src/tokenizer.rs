@@ -224,6 +224,18 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// Writes the tokenizer as a Hugging Face `tokenizer.json`.
+    pub fn save_json(&self, path: &Path) -> Result<()> {
+        self.inner
+            .save(path, false)
+            .map_err(|e| tok_err(&format!("saving {}", path.display()), e))
+    }
+
+    /// The chat template's Jinja source, if any.
+    pub fn chat_template_source(&self) -> Option<&str> {
+        self.chat_template.as_ref().map(|t| t.source())
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

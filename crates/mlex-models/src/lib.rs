@@ -16,6 +16,7 @@ pub mod gguf;
 pub mod layers;
 pub mod load;
 pub mod models;
+pub mod quantize;
 pub mod toml_arch;
 
 use mlex_core::error::{Error, Result};

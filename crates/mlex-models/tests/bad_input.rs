@@ -272,3 +272,46 @@ fn a_toml_hybrid_runs_without_rust_code() {
     };
     assert!(e.contains("model.layers.0"), "{e}");
 }
+
+#[test]
+fn qwen3_5_text_serves_a_flat_text_only_checkpoint() {
+    // The qwen3_5 fixture rewritten as a text-only Hugging Face checkpoint:
+    // flat config with model_type qwen3_5_text, weights under `model.` and
+    // `lm_head`. Same weights, so mlx-lm's qwen3_5 reference applies.
+    let Some(f) = fixture("qwen3_5-f32") else {
+        return;
+    };
+    let Some((_d, dir)) = copy_fixture("qwen3_5-f32") else {
+        return;
+    };
+    let cfg = dir.join("config.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let mut text = v["text_config"].clone();
+    text["model_type"] = "qwen3_5_text".into();
+    std::fs::write(&cfg, text.to_string()).unwrap();
+    rewrite_weights(&dir, |t| {
+        let old = std::mem::take(t);
+        for (k, a) in old {
+            let k = k
+                .strip_prefix("language_model.")
+                .map(str::to_owned)
+                .unwrap_or(k);
+            t.insert(k, a);
+        }
+    });
+    let registry = mlex_models::registry().unwrap();
+    let loaded = mlex_models::load::load(dir.to_str().unwrap(), registry).unwrap();
+    assert_eq!(loaded.model.arch, "qwen3_5_text");
+    let r = reference(&f);
+    let mut cache = loaded.model.make_cache(1).unwrap();
+    let logits = loaded
+        .model
+        .forward(&tokens(&r.prompt), &mut cache)
+        .unwrap();
+    let (d, m) = max_diff(&to_f32(&logits), &to_f32(&r.logits_full));
+    assert!(
+        d <= 1e-4 * m.max(1.0),
+        "qwen3_5_text differs from the qwen3_5 reference by {d}"
+    );
+}

@@ -1,7 +1,7 @@
 //! `mlex bench`: prefill and decode speed on random prompt ids.
 
 use crate::args::{BenchArgs, Format};
-use crate::session::{compile, load_model};
+use crate::session::{compile, load_with};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{Flow, GenerateOptions, Generator, SamplerConfig};
@@ -27,7 +27,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
             "need a prompt of at least 1 token and at least 2 generated tokens",
         ));
     }
-    let loaded = load_model(&a.model.model, registry)?;
+    let loaded = load_with(&a.model, registry)?;
     let vocab = loaded.model.vocab_size() as usize;
     let arch = loaded.model.arch.clone();
     let mut g = Generator::new(loaded.model, compile(&a.model));

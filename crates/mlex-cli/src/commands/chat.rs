@@ -4,7 +4,7 @@
 
 use crate::args::{ChatArgs, Format};
 use crate::session::{
-    chat_tokens, compile, cut_at_stop, generate_options, load_model, tokenizer_for,
+    chat_tokens, compile, cut_at_stop, generate_options, load_with, tokenizer_for,
 };
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
@@ -13,7 +13,7 @@ use serde_json::json;
 use std::io::{BufRead, IsTerminal, Write};
 
 pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
-    let loaded = load_model(&a.model.model, registry)?;
+    let loaded = load_with(&a.model, registry)?;
     let vocab = loaded.model.vocab_size() as usize;
     let tokenizer = tokenizer_for(&loaded)?;
     let opts = generate_options(&a.sampling, Some(&tokenizer), vocab)?;

@@ -2,7 +2,7 @@
 
 use crate::args::{Format, GenerateArgs};
 use crate::session::{
-    chat_tokens, compile, cut_at_stop, generate_options, load_model, tokenizer_for,
+    chat_tokens, compile, cut_at_stop, generate_options, load_with, tokenizer_for,
 };
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
@@ -11,7 +11,7 @@ use serde_json::json;
 use std::io::{Read, Write};
 
 pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
-    let loaded = load_model(&a.model.model, registry)?;
+    let loaded = load_with(&a.model, registry)?;
     let vocab = loaded.model.vocab_size() as usize;
     let tokenizer = match (&a.prompt_ids, tokenizer_for(&loaded)) {
         (Some(_), t) => t.ok(),

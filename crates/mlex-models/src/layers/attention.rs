@@ -455,6 +455,17 @@ impl Layer for Attention {
         true
     }
 
+    fn quantizable(&self) -> Vec<ParamId> {
+        let mut v: Vec<ParamId> = [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+            .iter()
+            .filter_map(|l| l.quantizable())
+            .collect();
+        if let Some(f) = &self.ffn {
+            v.extend(f.quantizable());
+        }
+        v
+    }
+
     fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         let kv: Box<dyn Cache> = match self.window {
             Some(w) => Box::new(RotatingKvCache::new(w, 0)),

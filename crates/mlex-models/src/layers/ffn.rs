@@ -38,6 +38,10 @@ impl SwitchLinear {
         }
     }
 
+    fn quantizable(&self) -> Option<ParamId> {
+        self.quant.is_none().then_some(self.weight)
+    }
+
     fn params(&self) -> Vec<ParamId> {
         let mut v = vec![self.weight];
         if let Some(q) = &self.quant {
@@ -253,6 +257,41 @@ impl Ffn {
                 .concat();
                 if let Some(f) = &m.shared {
                     v.extend(f.params());
+                }
+                v
+            }
+        }
+    }
+
+    /// The weights quantization may pack (linear and expert matrices; not
+    /// NemotronH's plain router).
+    pub fn quantizable(&self) -> Vec<ParamId> {
+        match self {
+            Ffn::SwiGlu { gate, up, down } => [gate, up, down]
+                .iter()
+                .filter_map(|l| l.quantizable())
+                .collect(),
+            Ffn::Relu2 { up, down } => [up, down].iter().filter_map(|l| l.quantizable()).collect(),
+            Ffn::QwenMoe(m) => {
+                let mut v: Vec<ParamId> = m.gate.quantizable().into_iter().collect();
+                v.extend(
+                    [&m.gate_proj, &m.up_proj, &m.down_proj]
+                        .iter()
+                        .filter_map(|s| s.quantizable()),
+                );
+                if let Some((f, g)) = &m.shared {
+                    v.extend(f.quantizable());
+                    v.extend(g.quantizable());
+                }
+                v
+            }
+            Ffn::NemotronMoe(m) => {
+                let mut v: Vec<ParamId> = [&m.fc1, &m.fc2]
+                    .iter()
+                    .filter_map(|s| s.quantizable())
+                    .collect();
+                if let Some(f) = &m.shared {
+                    v.extend(f.quantizable());
                 }
                 v
             }

@@ -358,6 +358,23 @@ impl Layer for GatedDelta {
         false
     }
 
+    fn quantizable(&self) -> Vec<ParamId> {
+        let mut v: Vec<ParamId> = match &self.proj {
+            Projections::Qwen35 { qkv, z, b, a } => [qkv, z, b, a]
+                .iter()
+                .filter_map(|l| l.quantizable())
+                .collect(),
+            Projections::Qwen3Next { qkvz, ba } => {
+                [qkvz, ba].iter().filter_map(|l| l.quantizable()).collect()
+            }
+        };
+        v.extend(self.out_proj.quantizable());
+        if let Some(f) = &self.ffn {
+            v.extend(f.quantizable());
+        }
+        v
+    }
+
     fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         let conv_dim = 2 * self.nk * self.dk + self.nv * self.dv;
         Ok(vec![Box::new(StateCache::gated_delta(

@@ -270,6 +270,13 @@ impl Layer for Mamba2 {
         false
     }
 
+    fn quantizable(&self) -> Vec<ParamId> {
+        [&self.in_proj, &self.out_proj]
+            .iter()
+            .filter_map(|l| l.quantizable())
+            .collect()
+    }
+
     fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         let conv_dim = self.heads * self.head_dim + 2 * self.groups * self.state_dim;
         Ok(vec![Box::new(StateCache::mamba2(

@@ -116,6 +116,9 @@ impl Layer for FfnLayer {
     fn grows(&self) -> bool {
         false
     }
+    fn quantizable(&self) -> Vec<ParamId> {
+        self.ffn.quantizable()
+    }
     fn make_caches(&self, _batch: usize, _dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         Ok(Vec::new())
     }

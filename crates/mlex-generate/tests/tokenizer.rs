@@ -1,0 +1,107 @@
+//! Tokenizers from GGUF metadata and from tokenizer.json, chat templates,
+//! and streaming detokenization that never splits a character (SmolLM2's
+//! byte-level BPE vocabulary).
+
+use mlex_generate::{Message, StreamingDetokenizer, Tokenizer};
+use mlex_testkit::*;
+
+fn smollm2() -> Option<Tokenizer> {
+    let f = fixture("smollm2-gguf")?;
+    let g = mlex_models::gguf::load(&path_of(&f)).unwrap();
+    Some(Tokenizer::from_gguf(&g.tokenizer).unwrap())
+}
+
+#[test]
+fn streaming_detokenization_never_splits_a_character() {
+    let Some(tok) = smollm2() else { return };
+    let text = "Grüße aus Köln! 東京は晴れ。🌍🚀 naïve café — ok";
+    let ids = tok.encode(text, false).unwrap();
+    // Byte-level BPE spreads multi-byte characters over several tokens.
+    let lone: Vec<String> = ids.iter().map(|&i| tok.decode(&[i]).unwrap()).collect();
+    assert!(
+        lone.iter().any(|s| s.contains('\u{FFFD}')),
+        "the text must exercise split characters"
+    );
+    let mut d = StreamingDetokenizer::new(&tok);
+    let mut pieces = Vec::new();
+    for &i in &ids {
+        pieces.push(d.push(i).unwrap());
+    }
+    pieces.push(d.finish().unwrap());
+    for p in &pieces {
+        assert!(!p.contains('\u{FFFD}'), "emitted a broken character: {p:?}");
+    }
+    assert_eq!(pieces.concat(), tok.decode(&ids).unwrap());
+    assert_eq!(pieces.concat(), text);
+}
+
+#[test]
+fn gguf_tokenizer_knows_its_special_tokens_and_template() {
+    let Some(tok) = smollm2() else { return };
+    let im_end = tok.token_to_id("<|im_end|>").expect("special token");
+    assert!(
+        tok.eos_ids.contains(&im_end),
+        "the chat template's end token stops generation"
+    );
+    // Special-token text is matched as one token.
+    let ids = tok.encode("<|im_start|>user\nhi<|im_end|>", false).unwrap();
+    assert_eq!(ids[0], tok.token_to_id("<|im_start|>").unwrap());
+    assert_eq!(*ids.last().unwrap(), im_end);
+    let t = tok.chat_template.as_ref().expect("GGUF chat template");
+    let with_system = t
+        .render(
+            &[
+                Message::new("system", "Answer in French."),
+                Message::new("user", "Hello"),
+            ],
+            true,
+        )
+        .unwrap();
+    assert!(
+        with_system.contains("Answer in French.")
+            && with_system.ends_with("<|im_start|>assistant\n"),
+        "{with_system}"
+    );
+}
+
+#[test]
+fn tokenizer_json_directory_gives_the_same_ids() {
+    let Some(tok) = smollm2() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    tok.save_json(&dir.path().join("tokenizer.json")).unwrap();
+    let template = tok.chat_template_source().unwrap().to_owned();
+    let cfg = serde_json::json!({"chat_template": template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"});
+    std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    let from_dir = Tokenizer::from_dir(dir.path()).unwrap();
+    for text in [
+        "What is the capital of France?",
+        "<|im_start|>assistant\nÇa va? 🌍",
+    ] {
+        assert_eq!(
+            from_dir.encode(text, false).unwrap(),
+            tok.encode(text, false).unwrap(),
+            "{text}"
+        );
+    }
+    assert!(from_dir
+        .eos_ids
+        .contains(&from_dir.token_to_id("<|im_end|>").unwrap()));
+    let msgs = [Message::new("user", "Hi")];
+    assert_eq!(
+        from_dir
+            .chat_template
+            .as_ref()
+            .unwrap()
+            .render(&msgs, true)
+            .unwrap(),
+        tok.chat_template
+            .as_ref()
+            .unwrap()
+            .render(&msgs, true)
+            .unwrap()
+    );
+    // A broken tokenizer.json names the file.
+    std::fs::write(dir.path().join("tokenizer.json"), "{ not json").unwrap();
+    let e = Tokenizer::from_dir(dir.path()).err().unwrap().to_string();
+    assert!(e.contains("tokenizer.json"), "{e}");
+}

@@ -1,0 +1,78 @@
+//! Affine quantization of a loaded model, as mlx-lm's `quantize_model`:
+//! every dense linear and expert matrix (and the embedding) whose input
+//! width is a multiple of the group size is packed to `bits`, the rest
+//! stays as it is. The result is a new model (new weight store): compiled
+//! segments built for the old one are rebuilt on their next call.
+
+use mlex_core::arch::Architecture;
+use mlex_core::error::{Error, Result};
+use mlex_core::model::{Head, Model};
+use mlex_core::params::ParamId;
+use mlex_core::quant::{QuantSpec, Quantization};
+use mlex_core::registry::Registry;
+use mlex_core::weights::WeightMap;
+use mlx_rs::ops;
+use std::collections::BTreeSet;
+
+/// Quantizes `model` (built by `arch`) to `bits` with groups of `group_size`.
+pub fn quantize(
+    model: &Model,
+    arch: &dyn Architecture,
+    registry: &Registry,
+    group_size: i32,
+    bits: i32,
+) -> Result<Model> {
+    let spec = QuantSpec { group_size, bits };
+    spec.validate("quantize", &model.config)?;
+    if !model.quantization.is_none() {
+        return Err(Error::invalid(
+            "--quantize",
+            "the model is already quantized",
+        ));
+    }
+    let mut targets: BTreeSet<ParamId> = BTreeSet::new();
+    targets.extend(model.embed.quantizable());
+    if let Head::Linear(l) = &model.output.head {
+        targets.extend(l.quantizable());
+    }
+    for slot in &model.layers {
+        targets.extend(slot.layer.quantizable());
+    }
+    let mut weights = WeightMap::new();
+    let file = weights.add_file("(quantized in memory)".into());
+    let mut packed = 0;
+    for (i, (name, array)) in model.params.iter().enumerate() {
+        let id = ParamId(i as u32);
+        let cols = array.shape().last().copied().unwrap_or(0);
+        let module = name.strip_suffix(".weight");
+        match module {
+            Some(module) if targets.contains(&id) && cols % group_size == 0 => {
+                let (w, s, b) = ops::quantize(array, group_size, bits)?;
+                weights.insert(format!("{module}.weight"), w, file);
+                weights.insert(format!("{module}.scales"), s, file);
+                weights.insert(format!("{module}.biases"), b, file);
+                packed += 1;
+            }
+            _ => weights.insert(name, array.clone(), file),
+        }
+    }
+    if packed == 0 {
+        return Err(Error::invalid(
+            "--quantize",
+            format!("no weight of this model can be quantized with group size {group_size}"),
+        ));
+    }
+    let quantization = Quantization {
+        default: Some(spec),
+        overrides: model.quantization.overrides.clone(),
+    };
+    let plan = arch.plan(&model.config)?;
+    Model::build_from_plan(
+        &model.arch,
+        model.config.clone(),
+        plan,
+        weights,
+        quantization,
+        registry,
+    )
+}

@@ -197,6 +197,50 @@ impl LayerKind for GatedDeltaKind {
     }
 }
 
+type StepFn = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, mlx_rs::error::Exception>>;
+
+thread_local! {
+    /// The recurrence step compiled once per thread (MLX keys its traces by
+    /// input shapes), as mlx-lm compiles `_gated_delta_step_ops`: the
+    /// prefill loop then runs a few fused kernels per token instead of a
+    /// dozen ops. Decode steps are compiled as part of their segment.
+    static COMPILED_STEP: std::cell::RefCell<Option<StepFn>> = const { std::cell::RefCell::new(None) };
+}
+
+/// [`delta_step`] through the thread's compiled function.
+fn compiled_delta_step(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    g: &Array,
+    beta: &Array,
+    state: &Array,
+) -> Result<(Array, Array)> {
+    COMPILED_STEP.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let f = slot.get_or_insert_with(|| {
+            Box::new(mlx_rs::transforms::compile::compile(
+                |a: &[Array]| -> std::result::Result<Vec<Array>, mlx_rs::error::Exception> {
+                    let (y, s) = delta_step(&a[0], &a[1], &a[2], &a[3], &a[4], &a[5])?;
+                    Ok(vec![y, s])
+                },
+                false,
+            ))
+        });
+        let mut out = f(&[
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            g.clone(),
+            beta.clone(),
+            state.clone(),
+        ])?;
+        let s = out.pop().expect("two outputs");
+        let y = out.pop().expect("two outputs");
+        Ok((y, s))
+    })
+}
+
 /// One recurrence step: q, k `[B, H, Dk]`, v `[B, H, Dv]`, g, beta `[B, H]`,
 /// state `[B, H, Dv, Dk]` → (y `[B, H, Dv]`, new state).
 fn delta_step(
@@ -289,7 +333,14 @@ impl GatedDelta {
         let mut ys = Vec::with_capacity(len as usize);
         for t in 0..len {
             let at = |x: &Array| -> Result<Array> { Ok(x.try_index((.., t))?) };
-            let (y, next) = delta_step(&at(&q)?, &at(&k)?, &at(&v)?, &at(&g)?, &at(&beta)?, &rec)?;
+            let (qt, kt, vt, gt, bt) = (at(&q)?, at(&k)?, at(&v)?, at(&g)?, at(&beta)?);
+            // One token (decode) is traced inside its compiled segment; a
+            // prompt loops over the separately compiled step.
+            let (y, next) = if len > 1 {
+                compiled_delta_step(&qt, &kt, &vt, &gt, &bt, &rec)?
+            } else {
+                delta_step(&qt, &kt, &vt, &gt, &bt, &rec)?
+            };
             ys.push(y);
             rec = next;
         }

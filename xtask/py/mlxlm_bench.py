@@ -5,7 +5,7 @@ greedy decoding of --gen tokens, one warm-up run, then the best of
 --repeats timed runs. prefill tok/s = prompt tokens / time to the first
 token; decode tok/s = (tokens - 1) / time from the first token to the last.
 
-    python mlxlm_bench.py MODEL_DIR --prompt-len 128 --gen 128
+    python mlxlm_bench.py MODEL_DIR --prompt-len 128 --gen 128 [--device gpu] [--quantize 4]
 
 Prints one JSON object.
 """
@@ -37,9 +37,14 @@ def main():
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--quantize", type=int, help="quantize on load to this many bits (group 64)")
     a = p.parse_args()
-    mx.set_default_device(mx.cpu)
+    mx.set_default_device(mx.cpu if a.device == "cpu" else mx.gpu)
     model, cfg = load_model(__import__("pathlib").Path(a.model))
+    if a.quantize:
+        from mlx_lm.utils import quantize_model
+        model, cfg = quantize_model(model, cfg, group_size=64, bits=a.quantize)
     vocab = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
     prompt = mx.array(np.random.default_rng(0).integers(0, vocab, size=a.prompt_len).astype(np.int32))
     run(model, prompt, min(a.gen, 8))

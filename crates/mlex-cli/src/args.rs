@@ -83,8 +83,11 @@ pub struct ModelArgs {
     #[arg(long, short)]
     pub model: String,
     /// Run decode steps eagerly instead of through compiled segments.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "compile_recurrent")]
     pub no_compile: bool,
+    /// Compile only the decode segments with recurrent layers (the others run eagerly).
+    #[arg(long)]
+    pub compile_recurrent: bool,
     /// Quantize the weights on load to this many bits (2, 3, 4, 5, 6, 8).
     #[arg(long, value_name = "BITS")]
     pub quantize: Option<i32>,

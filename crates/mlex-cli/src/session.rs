@@ -149,9 +149,13 @@ pub fn chat_tokens(
     }
 }
 
-/// Shared model options → whether to compile.
-pub fn compile(m: &ModelArgs) -> bool {
-    !m.no_compile
+/// Shared model options → the compile policy (`None`: eager decode).
+pub fn compile(m: &ModelArgs) -> Option<mlex_compile::CompilePolicy> {
+    match (m.no_compile, m.compile_recurrent) {
+        (true, _) => None,
+        (false, true) => Some(mlex_compile::CompilePolicy::Recurrent),
+        (false, false) => Some(mlex_compile::CompilePolicy::All),
+    }
 }
 
 /// Text the user sees for a stop-string cut: everything before the stop.

@@ -91,9 +91,34 @@ impl SegmentFn {
     }
 }
 
+/// Which segments to compile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CompilePolicy {
+    /// Compile every segment.
+    #[default]
+    All,
+    /// Compile only the segments that hold a layer with fixed-size
+    /// (recurrent) state, where fusing many small ops pays most; run the
+    /// others (an attention tail and the next head) eagerly, saving the
+    /// compiled call's overhead. Measured against `All` in
+    /// docs/BENCHMARKS.md.
+    Recurrent,
+}
+
+/// One segment's static plan.
+struct SegmentPlan {
+    phases: Vec<Phase>,
+    touched: Vec<usize>,
+    param_ids: Vec<ParamId>,
+    compiled: bool,
+}
+
 /// Runs a model's single-token decode step through compiled segments.
 pub struct SegmentedDecoder {
     schedule: Schedule,
+    policy: CompilePolicy,
+    plans: Vec<SegmentPlan>,
+    key: u64,
     traces: Vec<CompiledTrace>,
 }
 
@@ -106,20 +131,72 @@ fn structure_key(model: &Model) -> u64 {
     model.params.structure_generation() ^ ((model.params.len() as u64) << 48)
 }
 
+fn plans(model: &Model, schedule: &Schedule, policy: CompilePolicy) -> Result<Vec<SegmentPlan>> {
+    let mut has_state = Vec::with_capacity(model.layers.len());
+    for slot in &model.layers {
+        let caches = slot.layer.make_caches(1, model.dtype)?;
+        has_state.push(caches.iter().any(|c| !c.grows()));
+    }
+    Ok(schedule
+        .segments()
+        .map(|phases| {
+            let touched = Schedule::layers_of(phases);
+            let mut param_ids: Vec<ParamId> = Vec::new();
+            if phases.contains(&Phase::Embed) {
+                param_ids.extend(model.embed.params());
+            }
+            if phases.contains(&Phase::Logits) {
+                param_ids.extend(model.output.params());
+            }
+            for &i in &touched {
+                param_ids.extend(model.layers[i].layer.params());
+            }
+            param_ids.sort();
+            param_ids.dedup();
+            let compiled = match policy {
+                CompilePolicy::All => true,
+                CompilePolicy::Recurrent => touched.iter().any(|&i| has_state[i]),
+            };
+            SegmentPlan {
+                phases: phases.to_vec(),
+                touched,
+                param_ids,
+                compiled,
+            }
+        })
+        .collect())
+}
+
 impl SegmentedDecoder {
-    /// The decoder for `model`'s layer plan.
+    /// The decoder for `model`'s layer plan, compiling every segment.
     pub fn new(model: &Model) -> Self {
+        Self::with_policy(model, CompilePolicy::default())
+    }
+
+    /// The decoder for `model` with an explicit policy.
+    pub fn with_policy(model: &Model, policy: CompilePolicy) -> Self {
         let grows: Vec<bool> = model.layers.iter().map(|s| s.layer.grows()).collect();
         let schedule = Schedule::new(&grows);
         let traces = (0..schedule.num_segments())
             .map(|_| CompiledTrace::new())
             .collect();
-        Self { schedule, traces }
+        Self {
+            schedule,
+            policy,
+            plans: Vec::new(),
+            key: 0,
+            traces,
+        }
     }
 
     /// The schedule in use.
     pub fn schedule(&self) -> &Schedule {
         &self.schedule
+    }
+
+    /// Which segments run compiled (valid after the first step).
+    pub fn compiled_segments(&self) -> Vec<bool> {
+        self.plans.iter().map(|p| p.compiled).collect()
     }
 
     /// How often each segment has been traced.
@@ -145,6 +222,10 @@ impl SegmentedDecoder {
             return Err(Error::Cache("cache does not match the model".into()));
         }
         let key = structure_key(model);
+        if self.key != key || self.plans.is_empty() {
+            self.plans = plans(model, &self.schedule, self.policy)?;
+            self.key = key;
+        }
         let eager = model.params.view();
         let mut carry: Vec<Array> = vec![tokens.clone()];
         let mut seg = 0;
@@ -158,53 +239,13 @@ impl SegmentedDecoder {
                         .ok_or_else(|| Error::Cache(format!("layer {i} has no growing cache")))?;
                     carry = layer.grow(&eager, carry, kv.as_mut())?;
                 }
-                Step::Segment(phases) => {
-                    let touched = Schedule::layers_of(phases);
-                    let mut inputs = carry.clone();
-                    let mut state_counts = Vec::with_capacity(touched.len());
-                    for &i in &touched {
-                        let s = gather_state(&cache.layers[i]);
-                        state_counts.push(s.len());
-                        inputs.extend(s);
-                    }
-                    let mut param_ids: Vec<ParamId> = Vec::new();
-                    if phases.contains(&Phase::Embed) {
-                        param_ids.extend(model.embed.params());
-                    }
-                    if phases.contains(&Phase::Logits) {
-                        param_ids.extend(model.output.params());
-                    }
-                    for &i in &touched {
-                        param_ids.extend(model.layers[i].layer.params());
-                    }
-                    param_ids.sort();
-                    param_ids.dedup();
-                    inputs.extend(param_ids.iter().map(|id| model.params.get(*id).clone()));
-                    let n_state: usize = state_counts.iter().sum();
-                    let n_carry = carry.len();
-                    let out = self.traces[seg].call(key, &inputs, || {
-                        let f = SegmentFn {
-                            phases: phases.clone(),
-                            embed: model.embed.clone(),
-                            output: model.output.clone(),
-                            layers: touched
-                                .iter()
-                                .map(|&i| (i, model.layers[i].layer.clone()))
-                                .collect(),
-                            state_counts: state_counts.clone(),
-                            n_carry,
-                            param_ids: param_ids.clone(),
-                            n_params_total: model.params.len(),
-                        };
-                        move |args: &[Array]| f.run(args)
-                    })?;
-                    let n_out_carry = out.len() - n_state;
-                    let mut it = out.into_iter();
-                    carry = it.by_ref().take(n_out_carry).collect();
-                    for (&i, &n) in touched.iter().zip(&state_counts) {
-                        let s: Vec<Array> = it.by_ref().take(n).collect();
-                        scatter_state(&mut cache.layers[i], s)?;
-                    }
+                Step::Segment(_) => {
+                    let plan = &self.plans[seg];
+                    carry = if plan.compiled {
+                        run_compiled(&mut self.traces[seg], plan, key, model, carry, cache)?
+                    } else {
+                        run_eager(plan, model, carry, cache)?
+                    };
                     seg += 1;
                 }
             }
@@ -218,4 +259,90 @@ impl SegmentedDecoder {
             .ok_or_else(|| Error::Other("decode produced no logits".into()))?;
         Ok(ops::squeeze_axes(&logits, &[1])?)
     }
+}
+
+/// Runs a segment's phases eagerly (the same functions the trace runs).
+fn run_eager(
+    plan: &SegmentPlan,
+    model: &Model,
+    mut carry: Vec<Array>,
+    cache: &mut ModelCache,
+) -> Result<Vec<Array>> {
+    let p = model.params.view();
+    let mut states: Vec<Vec<Array>> = plan
+        .touched
+        .iter()
+        .map(|&i| gather_state(&cache.layers[i]))
+        .collect();
+    let slot_of = |i: usize| plan.touched.iter().position(|l| *l == i).expect("touched");
+    for phase in &plan.phases {
+        match *phase {
+            Phase::Embed => carry = vec![model.embed.forward(&p, &carry[0])?],
+            Phase::Head(i) => {
+                carry = model.layers[i]
+                    .layer
+                    .head(&p, &carry[0], &mut states[slot_of(i)])?
+            }
+            Phase::Tail(i) => {
+                carry = vec![model.layers[i]
+                    .layer
+                    .tail(&p, carry, &mut states[slot_of(i)])?]
+            }
+            Phase::Logits => carry = vec![model.output.forward(&p, &carry[0])?],
+        }
+    }
+    for (&i, s) in plan.touched.iter().zip(states) {
+        scatter_state(&mut cache.layers[i], s)?;
+    }
+    Ok(carry)
+}
+
+/// Runs a segment through its compiled trace.
+fn run_compiled(
+    trace: &mut CompiledTrace,
+    plan: &SegmentPlan,
+    key: u64,
+    model: &Model,
+    carry: Vec<Array>,
+    cache: &mut ModelCache,
+) -> Result<Vec<Array>> {
+    let n_carry = carry.len();
+    let mut inputs = carry;
+    let mut state_counts = Vec::with_capacity(plan.touched.len());
+    for &i in &plan.touched {
+        let s = gather_state(&cache.layers[i]);
+        state_counts.push(s.len());
+        inputs.extend(s);
+    }
+    inputs.extend(
+        plan.param_ids
+            .iter()
+            .map(|id| model.params.get(*id).clone()),
+    );
+    let n_state: usize = state_counts.iter().sum();
+    let out = trace.call(key, &inputs, || {
+        let f = SegmentFn {
+            phases: plan.phases.clone(),
+            embed: model.embed.clone(),
+            output: model.output.clone(),
+            layers: plan
+                .touched
+                .iter()
+                .map(|&i| (i, model.layers[i].layer.clone()))
+                .collect(),
+            state_counts: state_counts.clone(),
+            n_carry,
+            param_ids: plan.param_ids.clone(),
+            n_params_total: model.params.len(),
+        };
+        move |args: &[Array]| f.run(args)
+    })?;
+    let n_out_carry = out.len() - n_state;
+    let mut it = out.into_iter();
+    let carry = it.by_ref().take(n_out_carry).collect();
+    for (&i, &n) in plan.touched.iter().zip(&state_counts) {
+        let s: Vec<Array> = it.by_ref().take(n).collect();
+        scatter_state(&mut cache.layers[i], s)?;
+    }
+    Ok(carry)
 }

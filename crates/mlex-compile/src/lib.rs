@@ -12,6 +12,6 @@ pub mod decoder;
 pub mod schedule;
 pub mod trace;
 
-pub use decoder::SegmentedDecoder;
+pub use decoder::{CompilePolicy, SegmentedDecoder};
 pub use schedule::{Phase, Schedule, Step};
 pub use trace::CompiledTrace;

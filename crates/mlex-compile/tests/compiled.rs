@@ -2,7 +2,7 @@
 //! compiled traces: weights are inputs (an update is seen without a new
 //! trace), every trace is its own, and a structural change rebuilds.
 
-use mlex_compile::{CompiledTrace, SegmentedDecoder};
+use mlex_compile::{CompilePolicy, CompiledTrace, SegmentedDecoder};
 use mlex_testkit::*;
 use mlx_rs::error::Exception;
 use mlx_rs::{ops, Array};
@@ -70,8 +70,9 @@ fn compiled_greedy(
     model: &mlex_core::model::Model,
     prompt: &[i32],
     n: usize,
+    policy: CompilePolicy,
 ) -> (Vec<i32>, Vec<Vec<f32>>, SegmentedDecoder) {
-    let mut dec = SegmentedDecoder::new(model);
+    let mut dec = SegmentedDecoder::with_policy(model, policy);
     let mut cache = model.make_cache(1).unwrap();
     let mut logits = prefill(model, &mut cache, prompt, None);
     let (mut out, mut rows) = (Vec::new(), Vec::new());
@@ -105,30 +106,49 @@ fn compiled_decode_equals_eager_on_every_architecture() {
         let r = reference(f);
         let n = 12;
         let (eager, eager_rows) = greedy(model, &r.prompt, n, None);
-        let (compiled, rows, dec) = compiled_greedy(model, &r.prompt, n);
-        let mut worst = 0f32;
-        for (a, b) in rows.iter().zip(&eager_rows) {
-            let (d, m) = max_diff(a, b);
-            worst = worst.max(d / m.max(1.0));
+        for policy in [CompilePolicy::All, CompilePolicy::Recurrent] {
+            let (compiled, rows, dec) = compiled_greedy(model, &r.prompt, n, policy);
+            let mut worst = 0f32;
+            for (a, b) in rows.iter().zip(&eager_rows) {
+                let (d, m) = max_diff(a, b);
+                worst = worst.max(d / m.max(1.0));
+            }
+            let tol = if f.quant.is_some() { 1e-3 } else { 1e-5 };
+            if compiled != eager || worst > tol {
+                failures.push(format!(
+                    "{} ({policy:?}): compiled {compiled:?} vs eager {eager:?}, logit diff {worst}",
+                    f.name
+                ));
+            }
+            // Each compiled segment traced once for the whole decode; under
+            // the default policy exactly the segments with recurrent layers.
+            let which = dec.compiled_segments();
+            for (k, (&t, &c)) in dec.times_traced().iter().zip(&which).enumerate() {
+                assert_eq!(
+                    t,
+                    usize::from(c),
+                    "{} ({policy:?}) segment {k}: {:?}",
+                    f.name,
+                    dec.times_traced()
+                );
+            }
+            if policy == CompilePolicy::All {
+                assert!(which.iter().all(|&c| c));
+            } else {
+                let recurrent = model
+                    .make_cache(1)
+                    .unwrap()
+                    .layers
+                    .iter()
+                    .flatten()
+                    .any(|c| !c.grows());
+                assert_eq!(which.iter().any(|&c| c), recurrent, "{}", f.name);
+            }
+            assert_eq!(
+                dec.schedule().num_segments(),
+                model.layers.iter().filter(|l| l.layer.grows()).count() + 1
+            );
         }
-        let tol = if f.quant.is_some() { 1e-3 } else { 1e-5 };
-        if compiled != eager || worst > tol {
-            failures.push(format!(
-                "{}: compiled {compiled:?} vs eager {eager:?}, logit diff {worst}",
-                f.name
-            ));
-        }
-        // Each segment traced once for the whole decode.
-        assert!(
-            dec.times_traced().iter().all(|&t| t == 1),
-            "{}: {:?}",
-            f.name,
-            dec.times_traced()
-        );
-        assert_eq!(
-            dec.schedule().num_segments(),
-            model.layers.iter().filter(|l| l.layer.grows()).count() + 1
-        );
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -142,7 +162,7 @@ fn a_weight_update_after_compiling_changes_the_next_step() {
     let mut loaded = mlex_models::load::load(path_of(&f).to_str().unwrap(), registry).unwrap();
     let r = reference(&f);
     let model = &mut loaded.model;
-    let mut dec = SegmentedDecoder::new(model);
+    let mut dec = SegmentedDecoder::with_policy(model, CompilePolicy::All);
     let mut cache = model.make_cache(1).unwrap();
     prefill(model, &mut cache, &r.prompt, None);
     let snapshot = cache.clone();
@@ -182,7 +202,7 @@ fn quantizing_rebuilds_the_traces() {
         .unwrap()
         .model;
     let r = reference(&f);
-    let mut dec = SegmentedDecoder::new(&model);
+    let mut dec = SegmentedDecoder::with_policy(&model, CompilePolicy::All);
     let mut cache = model.make_cache(1).unwrap();
     prefill(&model, &mut cache, &r.prompt, None);
     let dense = to_f32(&dec.step(&model, &tokens(&[5]), &mut cache).unwrap());

@@ -13,7 +13,7 @@
 
 use crate::sampler::{Sampler, SamplerConfig};
 use mlex_cache::{PromptCache, StateSnapshot};
-use mlex_compile::SegmentedDecoder;
+use mlex_compile::{CompilePolicy, SegmentedDecoder};
 use mlex_core::error::{Error, Result};
 use mlex_core::model::{Model, ModelCache};
 use mlx_rs::ops::indexing::TryIndexOp;
@@ -117,7 +117,12 @@ pub struct Generator {
 impl Generator {
     /// Wraps `model`; `compile` turns on compiled decode segments.
     pub fn new(model: Model, compile: bool) -> Self {
-        let decoder = compile.then(|| SegmentedDecoder::new(&model));
+        Self::with_policy(model, compile.then_some(CompilePolicy::All))
+    }
+
+    /// Wraps `model` with an explicit compile policy (`None`: eager).
+    pub fn with_policy(model: Model, policy: Option<CompilePolicy>) -> Self {
+        let decoder = policy.map(|p| SegmentedDecoder::with_policy(&model, p));
         Self {
             model,
             decoder,

@@ -30,7 +30,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     let loaded = load_with(&a.model, registry)?;
     let vocab = loaded.model.vocab_size() as usize;
     let arch = loaded.model.arch.clone();
-    let mut g = Generator::new(loaded.model, compile(&a.model));
+    let mut g = Generator::with_policy(loaded.model, compile(&a.model));
     let prompt = prompt_ids(a.prompt_len, vocab);
     let opts = |n: usize| GenerateOptions {
         max_tokens: n,

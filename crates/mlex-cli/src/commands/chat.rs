@@ -17,7 +17,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
     let vocab = loaded.model.vocab_size() as usize;
     let tokenizer = tokenizer_for(&loaded)?;
     let opts = generate_options(&a.sampling, Some(&tokenizer), vocab)?;
-    let mut generator = Generator::new(loaded.model, compile(&a.model));
+    let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
     let interactive = std::io::stdin().is_terminal();
     let json = a.format == Format::Json;
     let system: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).collect();

@@ -45,7 +45,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         }
     };
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
-    let mut generator = Generator::new(loaded.model, compile(&a.model));
+    let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
     let stream = a.format == Format::Text;
     let stops = a.sampling.stop.clone();
     let hold = stops

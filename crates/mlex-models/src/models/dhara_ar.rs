@@ -10,7 +10,7 @@
 //! has it (the original model's frequencies need not follow `rope_theta`),
 //! else `rope_theta`.
 
-use super::{conv_to_mlx, decoder_plan, drop_prefix};
+use super::{conv_to_mlx, decoder_plan, drop_tied_head};
 use mlex_core::arch::{Architecture, ModelPlan};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
@@ -135,14 +135,7 @@ impl Architecture for DharaAr {
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
         // PyTorch Conv1d weights [C, 1, K] → MLX [C, K, 1].
         conv_to_mlx(weights, ".conv.weight")?;
-        if config
-            .value()
-            .get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(true)
-        {
-            drop_prefix(weights, "lm_head")?;
-        }
+        drop_tied_head(config, weights, true)?;
         Ok(())
     }
 }

@@ -3,7 +3,7 @@
 //! linear or llama3 scaling) and a SwiGLU MLP; optional sliding-window
 //! layers. Reference: mlx-lm `models/llama.py`.
 
-use super::{decoder_plan, drop_prefix, drop_where};
+use super::{decoder_plan, drop_tied_head, drop_where};
 use mlex_core::arch::{Architecture, ModelPlan};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
@@ -103,14 +103,7 @@ impl Architecture for Llama {
     }
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
         drop_where(weights, |n| n.contains("self_attn.rotary_emb.inv_freq"))?;
-        let tie = config
-            .value()
-            .get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(true);
-        if tie {
-            drop_prefix(weights, "lm_head")?;
-        }
+        drop_tied_head(config, weights, true)?;
         Ok(())
     }
 }

@@ -12,6 +12,7 @@ pub mod qwen3_moe;
 pub mod qwen3_next;
 
 use mlex_core::arch::{HeadPlan, LayerPlan, ModelPlan};
+use mlex_core::config::ModelConfig;
 use mlex_core::error::{Error, Result};
 use mlex_core::weights::WeightMap;
 use mlx_rs::ops;
@@ -53,6 +54,24 @@ pub(crate) fn decoder_plan(
         logit_softcap: None,
         max_context,
     }
+}
+
+/// Drops a checkpoint's `lm_head` when the config ties it to the embedding
+/// (`tie_word_embeddings`, with the architecture's default when absent).
+pub(crate) fn drop_tied_head(
+    config: &ModelConfig,
+    weights: &mut WeightMap,
+    default: bool,
+) -> Result<()> {
+    let tie = config
+        .value()
+        .get("tie_word_embeddings")
+        .and_then(Value::as_bool)
+        .unwrap_or(default);
+    if tie {
+        drop_prefix(weights, "lm_head")?;
+    }
+    Ok(())
 }
 
 /// Drops every tensor under `prefix` (e.g. a tied `lm_head`).

@@ -1,13 +1,13 @@
 //! `qwen2`: Qwen2/Qwen2.5 — the llama layout with q/k/v biases and a
 //! 1e6 RoPE base. Reference: mlx-lm `models/qwen2.py`.
 
-use super::{decoder_plan, drop_prefix};
+use super::{decoder_plan, drop_tied_head};
 use mlex_core::arch::{Architecture, ModelPlan};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
 use mlex_core::weights::WeightMap;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::json;
 
 fn d_theta() -> f64 {
     1_000_000.0
@@ -76,14 +76,7 @@ impl Architecture for Qwen2 {
         ))
     }
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
-        if config
-            .value()
-            .get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(true)
-        {
-            drop_prefix(weights, "lm_head")?;
-        }
+        drop_tied_head(config, weights, true)?;
         Ok(())
     }
 }

@@ -1,7 +1,7 @@
 //! `qwen3`: Qwen3 dense — llama layout with per-head q/k RMS norms before
 //! RoPE and no biases. Reference: mlx-lm `models/qwen3.py`.
 
-use super::{decoder_plan, drop_prefix};
+use super::{decoder_plan, drop_tied_head};
 use mlex_core::arch::{Architecture, ModelPlan};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
@@ -89,14 +89,7 @@ impl Architecture for Qwen3 {
         ))
     }
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
-        if config
-            .value()
-            .get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
-        {
-            drop_prefix(weights, "lm_head")?;
-        }
+        drop_tied_head(config, weights, false)?;
         Ok(())
     }
 }

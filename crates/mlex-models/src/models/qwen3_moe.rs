@@ -4,7 +4,7 @@
 //! `models/qwen3_moe.py`.
 
 use super::qwen3::qwen3_rope;
-use super::{decoder_plan, drop_prefix, stack_experts};
+use super::{decoder_plan, drop_tied_head, stack_experts};
 use mlex_core::arch::{Architecture, ModelPlan};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
@@ -87,12 +87,7 @@ impl Architecture for Qwen3Moe {
     }
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
         let v = config.value();
-        if v.get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
-        {
-            drop_prefix(weights, "lm_head")?;
-        }
+        drop_tied_head(config, weights, false)?;
         let experts = v.get("num_experts").and_then(Value::as_u64).unwrap_or(0) as usize;
         let layers = v
             .get("num_hidden_layers")

@@ -3,7 +3,7 @@
 //! by a dense MLP or a MoE with a gated shared expert. Reference: mlx-lm
 //! `models/qwen3_next.py`.
 
-use super::{conv_to_mlx, decoder_plan, drop_prefix, drop_where, norm_plus_one, stack_experts};
+use super::{conv_to_mlx, decoder_plan, drop_tied_head, drop_where, norm_plus_one, stack_experts};
 use mlex_core::arch::{Architecture, ModelPlan};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
@@ -120,12 +120,7 @@ impl Architecture for Qwen3Next {
         }
         let v = config.value();
         drop_where(weights, |n| n.contains("mtp."))?;
-        if v.get("tie_word_embeddings")
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
-        {
-            drop_prefix(weights, "lm_head")?;
-        }
+        drop_tied_head(config, weights, false)?;
         let experts = v.get("num_experts").and_then(Value::as_u64).unwrap_or(0) as usize;
         for prefix in &moe_layers {
             stack_experts(

@@ -34,6 +34,25 @@ fn prefix(a: &Array, n: usize) -> Result<Array> {
     Ok(a.try_index((.., .., ..(n as i32), ..))?)
 }
 
+/// The mask for `n` queries over a cache that holds every past token: none
+/// for one query, causal (aligned to the last key) for more.
+fn full_cache_mask(n: usize) -> AttentionMask {
+    if n == 1 {
+        AttentionMask::None
+    } else {
+        AttentionMask::Causal
+    }
+}
+
+/// KV caches keep no fixed-size state.
+fn no_fixed_state(state: Vec<Array>) -> Result<()> {
+    if state.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Cache("a KV cache has no fixed-size state".into()))
+    }
+}
+
 fn meta_usize(meta: &BTreeMap<String, String>, key: &str) -> Result<usize> {
     meta.get(key)
         .and_then(|v| v.parse().ok())
@@ -123,11 +142,7 @@ impl KvAccess for KvCache {
     }
 
     fn mask(&self, n: usize) -> Result<AttentionMask> {
-        Ok(if n == 1 {
-            AttentionMask::None
-        } else {
-            AttentionMask::Causal
-        })
+        Ok(full_cache_mask(n))
     }
 }
 
@@ -145,11 +160,7 @@ impl Cache for KvCache {
         Vec::new()
     }
     fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
-        if state.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::Cache("a KV cache has no fixed-size state".into()))
-        }
+        no_fixed_state(state)
     }
     fn advance(&mut self, _n: usize) {}
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
@@ -212,11 +223,7 @@ impl KvAccess for ConcatKvCache {
         Ok((k, v))
     }
     fn mask(&self, n: usize) -> Result<AttentionMask> {
-        Ok(if n == 1 {
-            AttentionMask::None
-        } else {
-            AttentionMask::Causal
-        })
+        Ok(full_cache_mask(n))
     }
 }
 
@@ -233,8 +240,8 @@ impl Cache for ConcatKvCache {
     fn state(&self) -> Vec<Array> {
         Vec::new()
     }
-    fn set_state(&mut self, _state: Vec<Array>) -> Result<()> {
-        Ok(())
+    fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
+        no_fixed_state(state)
     }
     fn advance(&mut self, _n: usize) {}
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
@@ -474,11 +481,7 @@ impl Cache for RotatingKvCache {
         Vec::new()
     }
     fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
-        if state.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::Cache("a KV cache has no fixed-size state".into()))
-        }
+        no_fixed_state(state)
     }
     fn advance(&mut self, _n: usize) {}
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {

@@ -1,6 +1,9 @@
 //! `cargo xtask cuda-bundle`: a folder with the release `mlex` binary, its
 //! CPU runtime (so it also runs without a GPU), and `mlex-cuda-env.sh`, which
-//! points the binary at a CUDA build of the same MLX version.
+//! points the binary at a CUDA build of the same MLX version; plus the GPU
+//! side of `cargo xtask bench-vs-mlxlm`: `bench-vs-mlxlm.sh` with the Python
+//! scripts it runs (`bench_vs_mlxlm.py`, `mlxlm_bench.py`,
+//! `make_bench_models.py`), which need python3 with mlx and mlx-lm, no cargo.
 
 use crate::{cargo, setup, workspace_root};
 use anyhow::{Context, Result};
@@ -44,17 +47,28 @@ pub fn cuda_bundle(args: &[String]) -> Result<PathBuf> {
     // The binary looks for its CPU runtime in $ORIGIN/mlx/lib.
     #[cfg(unix)]
     std::os::unix::fs::symlink("cpu-runtime/mlx", out.join("mlx"))?;
-    std::fs::copy(
-        root.join("xtask/cuda/mlex-cuda-env.sh"),
-        out.join("mlex-cuda-env.sh"),
-    )?;
+    for file in [
+        "xtask/cuda/mlex-cuda-env.sh",
+        "xtask/cuda/bench-vs-mlxlm.sh",
+        "xtask/py/bench_vs_mlxlm.py",
+        "xtask/py/mlxlm_bench.py",
+        "xtask/py/make_bench_models.py",
+    ] {
+        let from = root.join(file);
+        let name = from.file_name().context("a file name")?;
+        std::fs::copy(&from, out.join(name))
+            .with_context(|| format!("copying {}", from.display()))?;
+    }
     std::fs::write(
         out.join("README.txt"),
         "mlex CUDA bundle\n\n\
          CPU:   ./mlex env\n\
          CUDA:  eval \"$(sh mlex-cuda-env.sh /path/to/mlx-cuda-runtime)\" && ./mlex env\n\n\
          The runtime is a CUDA build of MLX of the pinned version (lib/libmlx.so with include/ beside\n\
-         lib/), e.g. the `mlx` folder of the PyPI wheel mlx-cuda-13, or the archive of mlx-cuda-pack.\n",
+         lib/), e.g. the `mlx` folder of the PyPI wheel mlx-cuda-13, or the archive of mlx-cuda-pack.\n\n\
+         mlex vs mlx-lm on the GPU (real-shape random-weight models made in /tmp/models):\n\
+         \x20 OUT=/some/dir bash bench-vs-mlxlm.sh /path/to/mlx-cuda-runtime /path/to/wheels [--pairs 3 --shapes qwen3_5 ...]\n\
+         The wheels folder holds mlx (CUDA, the same version) and mlx-lm 0.32.2 (pip --no-index --no-deps).\n",
     )?;
     eprintln!("xtask: CUDA bundle in {}", out.display());
     Ok(out)

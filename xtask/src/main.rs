@@ -5,13 +5,18 @@
 //! - `test`: setup, format and lint checks, reference fixtures, the test suite.
 //! - `demo [PROMPT]`: generation on the bundled default model.
 //! - `fixtures`: random-weight checkpoints and reference outputs from mlx-lm.
+//! - `bench-compare`: `mlex bench` and mlx-lm side by side, one process each.
+//! - `bench-vs-mlxlm [ARGS]`: mlex vs mlx-lm, alternating runs, median ratios.
 //! - `cuda-bundle`: the `mlex` binary and what it loads, for a CUDA machine.
+//! - `plot [DATA] [PNG]`: the benchmark plot of `docs/BENCHMARKS.md`.
 
 mod assets;
 mod bench;
+mod bench_vs;
 mod bundle;
 mod download;
 mod fixtures;
+mod plot;
 mod python;
 mod setup;
 
@@ -28,7 +33,15 @@ commands:
   fixtures       make the parity fixtures with mlx-lm (and the NumPy DharaAR reference)
   demo [PROMPT]  answer PROMPT with the bundled default model (SmolLM2-135M-Instruct)
   bench-compare  mlex bench and mlx-lm side by side on the same checkpoints (CPU)
-  cuda-bundle    the release mlex binary + runtime + mlex-cuda-env.sh in target/cuda-bundle
+  bench-vs-mlxlm [ARGS]
+                 mlex vs mlx-lm, alternating fresh runs, median ratios per shape/weights/prompt
+                 (tiny shapes on the CPU; ARGS go to xtask/py/bench_vs_mlxlm.py, e.g. --pairs 2;
+                 writes target/bench-vs-mlxlm.{md,json})
+  cuda-bundle    the release mlex binary + runtime + mlex-cuda-env.sh + bench-vs-mlxlm.sh in
+                 target/cuda-bundle
+  plot [DATA] [PNG]
+                 draw prefill and decode tok/s against prompt length from a points file
+                 (default docs/data/h200-2026-12-01-points.json -> docs/bench-h200.png)
 ";
 
 fn main() {
@@ -49,7 +62,9 @@ fn run() -> Result<()> {
         "setup" => setup::setup().map(|_| ()),
         "test" => test(rest),
         "bench-compare" => bench::compare(rest),
+        "bench-vs-mlxlm" => bench_vs::bench_vs_mlxlm(rest),
         "cuda-bundle" => bundle::cuda_bundle(rest).map(|_| ()),
+        "plot" => plot::plot(rest),
         "fixtures" => fixtures::fixtures().map(|p| eprintln!("xtask: fixtures in {}", p.display())),
         "demo" => demo(rest),
         "help" | "--help" | "-h" => {

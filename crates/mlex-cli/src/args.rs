@@ -94,6 +94,9 @@ pub struct ModelArgs {
     /// Group size for --quantize (32, 64, 128).
     #[arg(long, default_value_t = 64)]
     pub group_size: i32,
+    /// Prompt tokens per prefill step (default: 4096 on a GPU, 512 on the CPU).
+    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub prefill_chunk: Option<u32>,
 }
 
 /// Sampling options.

@@ -31,6 +31,9 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     let vocab = loaded.model.vocab_size() as usize;
     let arch = loaded.model.arch.clone();
     let mut g = Generator::with_policy(loaded.model, compile(&a.model));
+    if let Some(n) = a.model.prefill_chunk {
+        g.prefill_chunk = n as usize;
+    }
     let prompt = prompt_ids(a.prompt_len, vocab);
     let opts = |n: usize| GenerateOptions {
         max_tokens: n,

@@ -18,6 +18,9 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
     let tokenizer = tokenizer_for(&loaded)?;
     let opts = generate_options(&a.sampling, Some(&tokenizer), vocab)?;
     let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
+    if let Some(n) = a.model.prefill_chunk {
+        generator.prefill_chunk = n as usize;
+    }
     let interactive = std::io::stdin().is_terminal();
     let json = a.format == Format::Json;
     let system: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).collect();

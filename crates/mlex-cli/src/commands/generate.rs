@@ -46,6 +46,9 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     };
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
     let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
+    if let Some(n) = a.model.prefill_chunk {
+        generator.prefill_chunk = n as usize;
+    }
     let stream = a.format == Format::Text;
     let stops = a.sampling.stop.clone();
     let hold = stops

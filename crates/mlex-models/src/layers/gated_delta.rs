@@ -19,10 +19,10 @@ use mlex_core::cache::Cache;
 use mlex_core::config::parse_value;
 use mlex_core::error::Result;
 use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
-use mlex_core::nn::{silu, softplus, DepthwiseConv, Linear, RmsNorm};
+use mlex_core::nn::{silu, DepthwiseConv, Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
-use mlx_rs::ops::indexing::TryIndexOp;
-use mlx_rs::{fast, ops, Array, Dtype};
+use mlex_kernels::{gated_delta, Dispatch};
+use mlx_rs::{ops, Array, Dtype};
 use serde::Deserialize;
 
 fn d_mixer() -> String {
@@ -197,70 +197,6 @@ impl LayerKind for GatedDeltaKind {
     }
 }
 
-type StepFn = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, mlx_rs::error::Exception>>;
-
-thread_local! {
-    /// The recurrence step compiled once per thread (MLX keys its traces by
-    /// input shapes), as mlx-lm compiles `_gated_delta_step_ops`: the
-    /// prefill loop then runs a few fused kernels per token instead of a
-    /// dozen ops. Decode steps are compiled as part of their segment.
-    static COMPILED_STEP: std::cell::RefCell<Option<StepFn>> = const { std::cell::RefCell::new(None) };
-}
-
-/// [`delta_step`] through the thread's compiled function.
-fn compiled_delta_step(
-    q: &Array,
-    k: &Array,
-    v: &Array,
-    g: &Array,
-    beta: &Array,
-    state: &Array,
-) -> Result<(Array, Array)> {
-    COMPILED_STEP.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        let f = slot.get_or_insert_with(|| {
-            Box::new(mlx_rs::transforms::compile::compile(
-                |a: &[Array]| -> std::result::Result<Vec<Array>, mlx_rs::error::Exception> {
-                    let (y, s) = delta_step(&a[0], &a[1], &a[2], &a[3], &a[4], &a[5])?;
-                    Ok(vec![y, s])
-                },
-                false,
-            ))
-        });
-        let mut out = f(&[
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            g.clone(),
-            beta.clone(),
-            state.clone(),
-        ])?;
-        let s = out.pop().expect("two outputs");
-        let y = out.pop().expect("two outputs");
-        Ok((y, s))
-    })
-}
-
-/// One recurrence step: q, k `[B, H, Dk]`, v `[B, H, Dv]`, g, beta `[B, H]`,
-/// state `[B, H, Dv, Dk]` → (y `[B, H, Dv]`, new state).
-fn delta_step(
-    q: &Array,
-    k: &Array,
-    v: &Array,
-    g: &Array,
-    beta: &Array,
-    state: &Array,
-) -> Result<(Array, Array)> {
-    let decay = g.expand_dims(-1)?.expand_dims(-1)?;
-    let state = ops::multiply(state, &decay)?;
-    let k_row = k.expand_dims(-2)?;
-    let kv_mem = ops::multiply(&state, &k_row)?.sum_axis(-1, false)?;
-    let delta = ops::multiply(ops::subtract(v, &kv_mem)?, beta.expand_dims(-1)?)?;
-    let state = ops::add(&state, ops::multiply(&k_row, delta.expand_dims(-1)?)?)?;
-    let y = ops::multiply(&state, q.expand_dims(-2)?)?.sum_axis(-1, false)?;
-    Ok((y.as_dtype(q.dtype())?, state))
-}
-
 impl GatedDelta {
     /// Splits the projections into (qkv `[B,S,C]`, z `[B,S,Hv,Dv]`,
     /// b `[B,S,Hv]`, a `[B,S,Hv]`).
@@ -301,51 +237,32 @@ impl GatedDelta {
         let (padded, window) = conv_window_step(&state[0], &qkv)?;
         state[0] = window;
         let conv_out = silu(&self.conv.forward(p, &padded)?)?;
-        let (key_dim, nk, nv, dk, dv) = (self.nk * self.dk, self.nk, self.nv, self.dk, self.dv);
-        let parts = ops::split_at_indices(&conv_out, &[key_dim, 2 * key_dim], -1)?;
-        let q = ops::reshape(&parts[0], &[bsz, len, nk, dk])?;
-        let k = ops::reshape(&parts[1], &[bsz, len, nk, dk])?;
-        let v = ops::reshape(&parts[2], &[bsz, len, nv, dv])?;
-        // L2-normalise q and k and fold Dk^-1/2 into q (mlx-lm normalize_qk).
-        let inv = (dk as f64).powf(-0.5);
-        let rms_eps = (1e-6 * inv * inv) as f32;
-        let q = ops::multiply(
-            Array::from_f32((inv * inv) as f32).as_dtype(q.dtype())?,
-            fast::rms_norm(&q, None, rms_eps)?,
-        )?;
-        let k = ops::multiply(
-            Array::from_f32(inv as f32).as_dtype(k.dtype())?,
-            fast::rms_norm(&k, None, rms_eps)?,
-        )?;
-        let beta = ops::sigmoid(&b)?;
-        let a_log = p.get(self.a_log)?.as_dtype(Dtype::Float32)?;
-        let g = ops::exp(ops::multiply(
-            ops::negative(ops::exp(&a_log)?)?,
-            softplus(&ops::add(&a, p.get(self.dt_bias)?)?)?,
-        )?)?;
-        let r = nv / nk;
-        let (q, k) = if r > 1 {
-            (repeat_heads(&q, r)?, repeat_heads(&k, r)?)
-        } else {
-            (q, k)
+        let heads = gated_delta::Heads {
+            key_heads: self.nk,
+            value_heads: self.nv,
+            key_dim: self.dk,
+            value_dim: self.dv,
         };
-        let mut rec = state[1].clone();
-        let mut ys = Vec::with_capacity(len as usize);
-        for t in 0..len {
-            let at = |x: &Array| -> Result<Array> { Ok(x.try_index((.., t))?) };
-            let (qt, kt, vt, gt, bt) = (at(&q)?, at(&k)?, at(&v)?, at(&g)?, at(&beta)?);
-            // One token (decode) is traced inside its compiled segment; a
-            // prompt loops over the separately compiled step.
-            let (y, next) = if len > 1 {
-                compiled_delta_step(&qt, &kt, &vt, &gt, &bt, &rec)?
+        let (a_log, dt_bias) = (p.get(self.a_log)?, p.get(self.dt_bias)?);
+        let dispatch = Dispatch::current();
+        let out = if len == 1 {
+            // One token (decode) is traced inside its compiled segment.
+            let fused = dispatch.fused_decode && gated_delta::fused_decode_supported(heads);
+            let step = if fused {
+                gated_delta::decode_fused
             } else {
-                delta_step(&qt, &kt, &vt, &gt, &bt, &rec)?
+                gated_delta::decode_ops
             };
-            ys.push(y);
-            rec = next;
-        }
-        state[1] = rec;
-        let out = ops::stack(&ys, 1)?;
+            let (y, next) = step(&conv_out, &a, &b, a_log, dt_bias, &state[1], heads)?;
+            state[1] = next;
+            y
+        } else {
+            let prepared = gated_delta::prepare(&conv_out, &a, &b, a_log, dt_bias, heads)?;
+            let method = dispatch.gated_delta_method(len as usize);
+            let res = gated_delta::sequence(prepared.sequence(), &state[1], method, false)?;
+            state[1] = res.state;
+            res.y
+        };
         // Gated RMS norm: silu(z) * rms_norm(out), in f32, back to out's dtype.
         let normed = self.norm.forward(p, &out)?;
         let gated = ops::multiply(
@@ -356,19 +273,6 @@ impl GatedDelta {
         self.out_proj
             .forward(p, &ops::reshape(&gated, &[bsz, len, -1])?)
     }
-}
-
-/// Repeats each head `r` times along axis -2 (`mx.repeat(x, r, -2)`).
-fn repeat_heads(x: &Array, r: i32) -> Result<Array> {
-    let s = x.shape().to_vec();
-    let e = x.expand_dims(-2)?;
-    let mut target = s.clone();
-    target.insert(s.len() - 1, r);
-    let b = ops::broadcast_to(&e, &target)?;
-    let mut out = s;
-    let n = out.len();
-    out[n - 2] *= r;
-    Ok(ops::reshape(&b, &out)?)
 }
 
 impl Layer for GatedDelta {

@@ -13,6 +13,7 @@ use mlex_core::error::Result;
 use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
 use mlex_core::nn::{silu, softplus, swiglu, DepthwiseConv, Linear};
 use mlex_core::params::{ParamId, Params};
+use mlex_kernels::{mamba2, Dispatch};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{fast, ops, Array, Dtype};
 use serde::Deserialize;
@@ -225,12 +226,33 @@ impl Mamba2 {
         let (padded, window) = conv_window_step(&state[0], conv_in)?;
         state[0] = window;
         let conv_out = silu(&self.conv.forward(p, &padded)?)?;
-        let gn = self.groups * self.state_dim;
-        let cs = ops::split_at_indices(&conv_out, &[inner, inner + gn], -1)?;
-        let hs = ops::reshape(&cs[0], &[bsz, len, self.heads, self.head_dim])?;
-        let bm = ops::reshape(&cs[1], &[bsz, len, self.groups, self.state_dim])?;
-        let cm = ops::reshape(&cs[2], &[bsz, len, self.groups, self.state_dim])?;
-        let (y, next) = self.ssm(p, &hs, dt, &bm, &cm, &state[1])?;
+        let shape = mamba2::Shape {
+            heads: self.heads,
+            head_dim: self.head_dim,
+            groups: self.groups,
+            state_dim: self.state_dim,
+            dt_limit: self.dt_limit,
+        };
+        let fused =
+            len == 1 && Dispatch::current().fused_decode && mamba2::fused_decode_supported(shape);
+        let (y, next) = if fused {
+            // One token on CUDA: the whole SSM step in one kernel.
+            let params = mamba2::Params {
+                dt_bias: p.get(self.dt_bias)?,
+                a_log: p.get(self.a_log)?,
+                d: p.get(self.d)?,
+            };
+            mamba2::decode_fused(&conv_out, dt, params, &state[1], shape)?
+        } else {
+            // The SSD form for any length, as mlx-lm's `ssm_attn` runs it
+            // off Metal (decode included), so low-precision rounding matches.
+            let gn = self.groups * self.state_dim;
+            let cs = ops::split_at_indices(&conv_out, &[inner, inner + gn], -1)?;
+            let hs = ops::reshape(&cs[0], &[bsz, len, self.heads, self.head_dim])?;
+            let bm = ops::reshape(&cs[1], &[bsz, len, self.groups, self.state_dim])?;
+            let cm = ops::reshape(&cs[2], &[bsz, len, self.groups, self.state_dim])?;
+            self.ssm(p, &hs, dt, &bm, &cm, &state[1])?
+        };
         state[1] = next;
         let y = ops::reshape(&y, &[bsz, len, inner])?;
         // Gated, grouped RMS norm (MambaRMSNormGated).

@@ -1,0 +1,194 @@
+//! A safe-to-call wrapper over MLX's custom CUDA kernels
+//! (`mlx_fast_cuda_kernel_*` of mlx-c 0.7.0; MLX JIT-compiles the source
+//! with NVRTC the first time it runs and caches it by name and template
+//! arguments). mlx-rs wraps only the Metal variant.
+//!
+//! MLX generates the kernel's signature: each input `x` becomes
+//! `const T* x` (T from the input's dtype), each output `y` becomes `T* y`,
+//! template arguments become `constexpr int` / `using` lines, and the body
+//! is `source`. The launch grid is given in threads, as for Metal.
+
+use mlex_core::error::{Error, Result};
+use mlx_rs::{Array, Dtype, Stream};
+use std::ffi::CString;
+
+/// A compile-time argument of a kernel.
+#[derive(Clone, Copy, Debug)]
+pub enum TemplateArg {
+    /// `constexpr int NAME = v;`
+    Int(i32),
+    /// `using NAME = <cuda type of the dtype>;`
+    Dtype(Dtype),
+}
+
+/// One output: its shape and dtype.
+#[derive(Clone, Debug)]
+pub struct OutputSpec {
+    /// Shape.
+    pub shape: Vec<i32>,
+    /// Element type.
+    pub dtype: Dtype,
+}
+
+/// A custom CUDA kernel built from source.
+pub struct CudaKernel {
+    raw: mlx_sys::mlx_fast_cuda_kernel,
+    name: String,
+}
+
+fn cstring(what: &str, s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::invalid(what, "contains a NUL byte"))
+}
+
+struct Strings(mlx_sys::mlx_vector_string);
+
+impl Strings {
+    fn new(items: &[&str]) -> Result<Strings> {
+        // SAFETY: a fresh vector, freed in Drop.
+        let v = Strings(unsafe { mlx_sys::mlx_vector_string_new() });
+        for s in items {
+            let c = cstring("kernel argument name", s)?;
+            // SAFETY: `c` outlives the call; mlx-c copies the string.
+            unsafe { mlx_sys::mlx_vector_string_append_value(v.0, c.as_ptr()) };
+        }
+        Ok(v)
+    }
+}
+
+impl Drop for Strings {
+    fn drop(&mut self) {
+        // SAFETY: created by mlx_vector_string_new, freed once.
+        unsafe { mlx_sys::mlx_vector_string_free(self.0) };
+    }
+}
+
+impl CudaKernel {
+    /// A kernel `name` with the given argument names and body.
+    pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str) -> Result<CudaKernel> {
+        // mlx-rs installs the error handler that turns mlx-c failures into
+        // errors instead of exits; make sure it is in place.
+        let _ = mlx_rs::Device::try_default();
+        let (cname, csource, header) = (
+            cstring("kernel name", name)?,
+            cstring("kernel source", source)?,
+            cstring("kernel header", "")?,
+        );
+        let (ins, outs) = (Strings::new(inputs)?, Strings::new(outputs)?);
+        // SAFETY: all pointers are valid for the call; mlx-c copies them.
+        let raw = unsafe {
+            mlx_sys::mlx_fast_cuda_kernel_new(
+                cname.as_ptr(),
+                ins.0,
+                outs.0,
+                csource.as_ptr(),
+                header.as_ptr(),
+                true,
+                0,
+            )
+        };
+        if raw.ctx.is_null() {
+            return Err(Error::invalid(name, "MLX could not create the CUDA kernel"));
+        }
+        Ok(CudaKernel {
+            raw,
+            name: name.to_owned(),
+        })
+    }
+
+    /// Launches the kernel lazily on the default GPU stream, `grid` threads
+    /// in blocks of `block`.
+    ///
+    /// The kernel's source must stay inside the buffers that the shapes of
+    /// `inputs` and `outputs` imply for this grid and these template
+    /// arguments, and write every output element; callers check the shapes
+    /// the source assumes before calling.
+    pub fn apply(
+        &self,
+        inputs: &[&Array],
+        outputs: &[OutputSpec],
+        template: &[(&str, TemplateArg)],
+        grid: (i32, i32, i32),
+        block: (i32, i32, i32),
+    ) -> Result<Vec<Array>> {
+        let fail = |what: &str| Error::invalid(&self.name, format!("CUDA kernel: {what} failed"));
+        // SAFETY: the config is created, filled and freed here; every
+        // pointer passed lives across its call.
+        unsafe {
+            let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
+            let mut status = 0;
+            for o in outputs {
+                status |= mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+                    config,
+                    o.shape.as_ptr(),
+                    o.shape.len(),
+                    o.dtype.into(),
+                );
+            }
+            status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, grid.0, grid.1, grid.2);
+            status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(
+                config, block.0, block.1, block.2,
+            );
+            let mut names = Vec::new();
+            for (name, arg) in template {
+                let c = cstring("template argument", name)?;
+                status |= match *arg {
+                    TemplateArg::Int(v) => {
+                        mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+                            config,
+                            c.as_ptr(),
+                            v,
+                        )
+                    }
+                    TemplateArg::Dtype(d) => {
+                        mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                            config,
+                            c.as_ptr(),
+                            d.into(),
+                        )
+                    }
+                };
+                names.push(c);
+            }
+            if status != 0 {
+                mlx_sys::mlx_fast_cuda_kernel_config_free(config);
+                return Err(fail("configuring the launch"));
+            }
+            let ins = mlx_sys::mlx_vector_array_new();
+            for a in inputs {
+                mlx_sys::mlx_vector_array_append_value(ins, a.as_ptr());
+            }
+            let mut outs = mlx_sys::mlx_vector_array_new();
+            let stream = Stream::thread_local_or_gpu();
+            let status = mlx_sys::mlx_fast_cuda_kernel_apply(
+                &mut outs,
+                self.raw,
+                ins,
+                config,
+                stream.as_ptr(),
+            );
+            mlx_sys::mlx_vector_array_free(ins);
+            mlx_sys::mlx_fast_cuda_kernel_config_free(config);
+            drop(names);
+            if status != 0 {
+                mlx_sys::mlx_vector_array_free(outs);
+                return Err(fail("launching"));
+            }
+            let n = mlx_sys::mlx_vector_array_size(outs);
+            let mut result = Vec::with_capacity(n);
+            for i in 0..n {
+                let mut a = mlx_sys::mlx_array_new();
+                mlx_sys::mlx_vector_array_get(&mut a, outs, i);
+                result.push(Array::from_ptr(a));
+            }
+            mlx_sys::mlx_vector_array_free(outs);
+            Ok(result)
+        }
+    }
+}
+
+impl Drop for CudaKernel {
+    fn drop(&mut self) {
+        // SAFETY: created by mlx_fast_cuda_kernel_new, freed once.
+        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) };
+    }
+}

@@ -1,0 +1,93 @@
+//! Compute kernels of the hybrid layers, each beside the plain form it must
+//! equal, with the choice between them made here and nowhere else.
+//!
+//! - [`gated_delta`]: the gated delta rule of Gated DeltaNet layers
+//!   (Qwen3-Next, Qwen3.5): the token-by-token recurrence and the chunked
+//!   WY form for prefill; one decode token fused into one CUDA kernel.
+//! - [`mamba2`]: the Mamba2 SSM decode step, plain and fused.
+//! - [`cuda`]: the wrapper over MLX's custom CUDA kernels.
+//!
+//! [`Dispatch`] picks the implementation for the loaded MLX backend (CPU,
+//! CUDA, Metal) and the sequence length, from measurements recorded in
+//! `docs/BENCHMARKS.md`.
+
+#![warn(missing_docs)]
+
+pub mod cuda;
+pub mod gated_delta;
+pub mod mamba2;
+
+use gated_delta::Method;
+use mlex_core::device::Backend;
+use std::sync::OnceLock;
+
+/// The implementation choices for this process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Dispatch {
+    /// The loaded backend.
+    pub backend: Backend,
+    /// Chunk size of the chunked gated delta rule; `None` runs every
+    /// sequence token by token.
+    pub gated_delta_chunk: Option<usize>,
+    /// Sequences shorter than this run token by token (the chunked form's
+    /// fixed cost only pays from a few tokens on).
+    pub gated_delta_min_len: usize,
+    /// Recurrent decode steps run as one custom kernel each
+    /// ([`gated_delta::decode_fused`], [`mamba2::decode_fused`]) instead of
+    /// a dozen ops (CUDA only).
+    pub fused_decode: bool,
+}
+
+impl Dispatch {
+    /// The measured defaults of `backend`.
+    ///
+    /// Chunk sizes measured against the token loop (`docs/BENCHMARKS.md`):
+    /// on the CPU small chunks win (the `C²` work per token is paid on
+    /// cores, not hidden behind launches); on CUDA larger ones (fewer
+    /// dependent steps). Metal takes the CUDA choice, untested here.
+    pub fn for_backend(backend: Backend) -> Dispatch {
+        let chunk = match backend {
+            Backend::Cpu => 16,
+            Backend::Cuda | Backend::Metal => 128,
+        };
+        let fused = backend == Backend::Cuda;
+        Dispatch {
+            backend,
+            gated_delta_chunk: Some(chunk),
+            gated_delta_min_len: 8,
+            fused_decode: fused,
+        }
+    }
+
+    /// The process's dispatch: the loaded backend's defaults, with
+    /// `MLEX_GATED_DELTA_CHUNK` (a power of two, or `0` for the token loop)
+    /// overriding the chunk size and `MLEX_FUSED_DECODE=0` turning the fused
+    /// decode kernels off, for measurements.
+    pub fn current() -> &'static Dispatch {
+        static CURRENT: OnceLock<Dispatch> = OnceLock::new();
+        CURRENT.get_or_init(|| {
+            let backend = mlex_core::device::runtime_info()
+                .map(|i| i.backend)
+                .unwrap_or(Backend::Cpu);
+            let mut d = Dispatch::for_backend(backend);
+            if let Some(v) = std::env::var("MLEX_GATED_DELTA_CHUNK")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+            {
+                d.gated_delta_chunk = (v >= 2 && v.is_power_of_two()).then_some(v);
+            }
+            if std::env::var("MLEX_FUSED_DECODE").is_ok_and(|v| v == "0") {
+                d.fused_decode = false;
+            }
+            d
+        })
+    }
+
+    /// How a gated delta sequence of `len` tokens is computed.
+    pub fn gated_delta_method(&self, len: usize) -> Method {
+        match self.gated_delta_chunk {
+            Some(chunk) if len >= self.gated_delta_min_len => Method::Chunked { chunk },
+            _ => Method::Recurrent,
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! The fused Mamba2 decode kernel against its ops form (CUDA only; the ops
+//! form itself is checked against mlx-lm by the parity suite's NemotronH
+//! fixtures, whose decode steps run it on the CPU).
+
+use mlex_kernels::mamba2::{self, Params, Shape};
+use mlx_rs::{ops, random, Array, Dtype};
+
+fn normal(shape: &[i32], seed: u64) -> Array {
+    random::normal::<f32>(shape, None, None, Some(&random::key(seed).unwrap())).unwrap()
+}
+
+fn max_rel(a: &Array, b: &Array) -> f32 {
+    let (a, b) = (
+        a.as_dtype(Dtype::Float32).unwrap(),
+        b.as_dtype(Dtype::Float32).unwrap(),
+    );
+    let d = ops::abs(ops::subtract(&a, &b).unwrap())
+        .unwrap()
+        .max(None)
+        .unwrap();
+    let m = ops::abs(&b).unwrap().max(None).unwrap();
+    d.item_exact::<f32>() / m.item_exact::<f32>().max(1.0)
+}
+
+#[test]
+#[ignore = "needs the CUDA backend: run on the GPU machine with --ignored"]
+fn fused_decode_equals_ops_on_cuda() {
+    assert_eq!(
+        mlex_core::device::runtime_info().unwrap().backend,
+        mlex_core::device::Backend::Cuda,
+        "this test checks the CUDA kernel and must run where MLX has CUDA"
+    );
+    let shapes = [
+        Shape {
+            heads: 4,
+            head_dim: 16,
+            groups: 2,
+            state_dim: 32,
+            dt_limit: (0.0, f32::INFINITY),
+        },
+        Shape {
+            heads: 32,
+            head_dim: 64,
+            groups: 8,
+            state_dim: 128,
+            dt_limit: (0.001, 100.0),
+        },
+    ];
+    for shape in shapes {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let (b, h) = (2, shape.heads);
+            let cast = |x: Array| x.as_dtype(dtype).unwrap();
+            let (dt_bias, a_log, d) = (normal(&[h], 1), normal(&[h], 2), normal(&[h], 3));
+            let p = Params {
+                dt_bias: &dt_bias,
+                a_log: &a_log,
+                d: &d,
+            };
+            let mut s0 = normal(&[b, h, shape.head_dim, shape.state_dim], 4);
+            let mut s1 = s0.clone();
+            for t in 0..4 {
+                let conv = cast(normal(&[b, 1, shape.conv_dim()], 10 + t));
+                let dt = cast(normal(&[b, 1, h], 20 + t));
+                let (y0, n0) = mamba2::decode_ops(&conv, &dt, p, &s0, shape).unwrap();
+                let (y1, n1) = mamba2::decode_fused(&conv, &dt, p, &s1, shape).unwrap();
+                assert_eq!(y0.shape(), y1.shape());
+                let limit = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
+                let (dy, ds) = (max_rel(&y1, &y0), max_rel(&n1, &n0));
+                assert!(
+                    dy < limit && ds < limit,
+                    "{shape:?} {dtype:?} token {t}: y {dy}, state {ds}"
+                );
+                s0 = n0;
+                s1 = n1;
+            }
+        }
+    }
+}
+
+/// The ops form against plain loops over host vectors (an independent
+/// reference), with grouped B/C and a dt clip that bites.
+#[test]
+fn ops_step_equals_scalar_loops() {
+    let shape = Shape {
+        heads: 4,
+        head_dim: 3,
+        groups: 2,
+        state_dim: 5,
+        dt_limit: (0.05, 1.5),
+    };
+    let (b, h, dh, g, n) = (2usize, 4usize, 3usize, 2usize, 5usize);
+    let conv = normal(&[b as i32, 1, shape.conv_dim()], 41);
+    let dt = normal(&[b as i32, 1, h as i32], 42);
+    let (dt_bias, a_log, d) = (normal(&[4], 43), normal(&[4], 44), normal(&[4], 45));
+    let state = normal(&[2, 4, 3, 5], 46);
+    let p = Params {
+        dt_bias: &dt_bias,
+        a_log: &a_log,
+        d: &d,
+    };
+    let (y, next) = mamba2::decode_ops(&conv, &dt, p, &state, shape).unwrap();
+    let host = |a: &Array| a.as_slice::<f32>().to_vec();
+    let (cv, dtv, bias, al, dv, sv) = (
+        host(&conv),
+        host(&dt),
+        host(&dt_bias),
+        host(&a_log),
+        host(&d),
+        host(&state),
+    );
+    let (yv, nv) = (host(&y), host(&next));
+    let conv_dim = shape.conv_dim() as usize;
+    for bi in 0..b {
+        for hi in 0..h {
+            let gi = hi / (h / g);
+            let raw = dtv[bi * h + hi] + bias[hi];
+            let sp = raw.max(0.0) + (-raw.abs()).exp().ln_1p();
+            let t = sp.clamp(0.05, 1.5);
+            let da = (-al[hi].exp() * t).exp();
+            for r in 0..dh {
+                let x = cv[bi * conv_dim + hi * dh + r];
+                let mut out = 0.0f32;
+                for k in 0..n {
+                    let bk = cv[bi * conv_dim + h * dh + gi * n + k];
+                    let ck = cv[bi * conv_dim + h * dh + g * n + gi * n + k];
+                    let idx = ((bi * h + hi) * dh + r) * n + k;
+                    let s = sv[idx] * da + t * x * bk;
+                    assert!(
+                        (nv[idx] - s).abs() < 1e-5,
+                        "state {idx}: {} vs {s}",
+                        nv[idx]
+                    );
+                    out += s * ck;
+                }
+                let want = out + dv[hi] * x;
+                let got = yv[(bi * h + hi) * dh + r];
+                assert!(
+                    (got - want).abs() < 1e-4,
+                    "y {bi},{hi},{r}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}

@@ -89,13 +89,13 @@ pub struct ModelArgs {
     #[arg(long)]
     pub compile_recurrent: bool,
     /// Quantize the weights on load to this many bits (2, 3, 4, 5, 6, 8).
-    #[arg(long, value_name = "BITS")]
+    #[arg(long, allow_negative_numbers = true, value_name = "BITS")]
     pub quantize: Option<i32>,
     /// Group size for --quantize (32, 64, 128).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub group_size: i32,
     /// Prompt tokens per prefill step (default: 4096 on a GPU, 512 on the CPU).
-    #[arg(long, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: Option<u32>,
 }
 
@@ -103,31 +103,31 @@ pub struct ModelArgs {
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {
     /// Temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     pub temp: f32,
     /// Nucleus sampling mass (0, 1].
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub top_p: f32,
     /// Keep only the k most likely tokens (0: off).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub top_k: usize,
     /// Drop tokens below min-p times the top probability (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
     pub min_p: f32,
     /// Penalise tokens of the recent context (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub repetition_penalty: f32,
     /// Tokens the repetition penalty looks back over.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 20)]
     pub repetition_context: usize,
     /// Add a bias to a token's logit: ID=BIAS (repeatable).
     #[arg(long, value_name = "ID=BIAS")]
     pub logit_bias: Vec<String>,
     /// Seed for sampling (same seed, same output).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub seed: Option<u64>,
     /// Most tokens to generate.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 256)]
     pub max_tokens: usize,
     /// Stop when this text appears (repeatable).
     #[arg(long)]
@@ -179,13 +179,13 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prompt length in tokens (random ids).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 128)]
     pub prompt_len: usize,
     /// Tokens to generate.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 128)]
     pub gen: usize,
     /// Timed repetitions (the best is reported).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub repeats: usize,
     /// Output format.
     #[arg(long, value_enum, default_value_t)]

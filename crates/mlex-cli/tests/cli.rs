@@ -532,3 +532,106 @@ fn chat_second_turn_prefills_only_new_tokens() {
     assert_eq!(turns.len(), 2);
     assert_eq!(turns[0]["prompt_tokens"], turns[1]["prompt_tokens"]);
 }
+
+/// A reader that goes away (`mlex list | head -0`) ends mlex quietly: by
+/// SIGPIPE or with status 0, never a panic.
+#[test]
+fn a_closed_pipe_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    for args in [&["list"][..], &["list", "--format", "json"][..]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("mlex"))
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(
+            out.status.success() || out.status.signal() == Some(libc::SIGPIPE),
+            "{args:?}: {:?} {err}",
+            out.status
+        );
+    }
+}
+
+/// A negative number for a numeric option is an error naming the option,
+/// not "unexpected argument".
+#[test]
+fn negative_numbers_name_their_option() {
+    for (opt, val) in [("--max-tokens", "-5"), ("--top-k", "-1"), ("--seed", "-3")] {
+        let out = mlex()
+            .args([
+                "generate",
+                "--prompt-ids",
+                "1",
+                "--model",
+                "/no/such/model",
+                opt,
+                val,
+            ])
+            .assert()
+            .failure()
+            .get_output()
+            .stderr
+            .clone();
+        let e = String::from_utf8_lossy(&out);
+        assert!(e.contains(opt) && e.contains(val), "{opt} {val}: {e}");
+        assert!(!e.contains("unexpected argument"), "{opt} {val}: {e}");
+    }
+    let out = mlex()
+        .args(["bench", "--model", "/no/such/model", "--gen", "-2"])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    assert!(String::from_utf8_lossy(&out).contains("--gen"));
+}
+
+/// Ctrl-C during generation stops it after the current token, prints the
+/// text so far and the summary line, and exits 130.
+#[test]
+fn sigint_during_generation_prints_the_summary_and_exits_130() {
+    use std::io::Read;
+    let g = smollm2().expect("the smollm2-gguf fixture (cargo xtask fixtures)");
+    // The end-of-text ids are biased away so that only the interrupt ends it.
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("mlex"))
+        .args([
+            "generate",
+            "--prompt",
+            "Tell me a very long story.",
+            "--max-tokens",
+            "5000",
+        ])
+        .args([
+            "--logit-bias",
+            "0=-100",
+            "--logit-bias",
+            "2=-100",
+            "--model",
+        ])
+        .arg(&g)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    // Generation has started once text streams.
+    stdout.read_exact(&mut first).unwrap();
+    // SAFETY: signalling our own child by its pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let mut rest = Vec::new();
+    stdout.read_to_end(&mut rest).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains("generation:") && err.contains("interrupted"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -142,3 +142,38 @@ fn ops_step_equals_scalar_loops() {
         }
     }
 }
+
+/// Launching a custom CUDA kernel is an error where MLX has no CUDA (the
+/// CPU backend), never an abort inside MLX; on CUDA it runs.
+#[test]
+fn a_custom_kernel_launch_errs_without_cuda_and_runs_with_it() {
+    let on_cuda =
+        mlex_core::device::runtime_info().unwrap().backend == mlex_core::device::Backend::Cuda;
+    let shape = Shape {
+        heads: 4,
+        head_dim: 16,
+        groups: 2,
+        state_dim: 32,
+        dt_limit: (0.0, f32::INFINITY),
+    };
+    let (dt_bias, a_log, d) = (normal(&[4], 1), normal(&[4], 2), normal(&[4], 3));
+    let p = Params {
+        dt_bias: &dt_bias,
+        a_log: &a_log,
+        d: &d,
+    };
+    let state = normal(&[1, 4, 16, 32], 4);
+    let conv = normal(&[1, 1, shape.conv_dim()], 5);
+    let dt = normal(&[1, 1, 4], 6);
+    let result = mamba2::decode_fused(&conv, &dt, p, &state, shape)
+        .and_then(|(y, s)| Ok(mlx_rs::transforms::eval([&y, &s])?));
+    assert_eq!(
+        result.is_ok(),
+        on_cuda,
+        "{:?}",
+        result.err().map(|e| e.to_string())
+    );
+    // MLX still works afterwards.
+    let x = ops::add(normal(&[2], 7), normal(&[2], 8)).unwrap();
+    x.eval().unwrap();
+}

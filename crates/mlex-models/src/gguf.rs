@@ -67,13 +67,21 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
         .len();
     let mut f = std::io::BufReader::new(std::fs::File::open(path).map_err(|e| Error::io(path, e))?);
     let mut pos: u64 = 0;
-    let mut read = |n: usize, pos: &mut u64| -> Result<Vec<u8>> {
-        if *pos + n as u64 > len {
-            return Err(bad(path, format!("truncated header at byte {}", *pos)));
+    // Every size comes from the file: checked arithmetic throughout, so a
+    // crafted header is an error, not an overflow or a huge allocation.
+    let mut read = |n: u64, pos: &mut u64| -> Result<Vec<u8>> {
+        if pos.checked_add(n).is_none_or(|end| end > len) {
+            return Err(bad(
+                path,
+                format!(
+                    "truncated header: {n} bytes claimed at byte {}, file has {len}",
+                    *pos
+                ),
+            ));
         }
-        let mut b = vec![0u8; n];
+        let mut b = vec![0u8; n as usize];
         f.read_exact(&mut b).map_err(|e| bad(path, e.to_string()))?;
-        *pos += n as u64;
+        *pos += n;
         Ok(b)
     };
     let u32_at = |b: &[u8]| u32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
@@ -92,7 +100,7 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
     }
     fn skip_value(
         ty: u32,
-        read: &mut dyn FnMut(usize, &mut u64) -> Result<Vec<u8>>,
+        read: &mut dyn FnMut(u64, &mut u64) -> Result<Vec<u8>>,
         pos: &mut u64,
         depth: usize,
         path: &Path,
@@ -104,7 +112,7 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
             10..=12 => 8,
             8 => {
                 let n = u64::from_le_bytes(read(8, pos)?[..8].try_into().expect("8"));
-                read(n as usize, pos)?;
+                read(n, pos)?;
                 return Ok(());
             }
             9 => {
@@ -126,7 +134,7 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
     let mut alignment = 32u64;
     for _ in 0..n_kv {
         let klen = u64_at(&read(8, &mut pos)?);
-        let key = String::from_utf8_lossy(&read(klen as usize, &mut pos)?).into_owned();
+        let key = String::from_utf8_lossy(&read(klen, &mut pos)?).into_owned();
         let ty = u32_at(&read(4, &mut pos)?);
         if key == "general.alignment" && ty == 4 {
             alignment = u64::from(u32_at(&read(4, &mut pos)?)).max(1);
@@ -137,25 +145,31 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
     let mut infos = Vec::new();
     for _ in 0..n_tensors {
         let nlen = u64_at(&read(8, &mut pos)?);
-        let name = String::from_utf8_lossy(&read(nlen as usize, &mut pos)?).into_owned();
+        let name = String::from_utf8_lossy(&read(nlen, &mut pos)?).into_owned();
         let ndim = u32_at(&read(4, &mut pos)?);
         if ndim > 8 {
             return Err(bad(path, format!("tensor `{name}` has {ndim} dimensions")));
         }
         let mut elems: u64 = 1;
         for _ in 0..ndim {
-            elems = elems.saturating_mul(u64_at(&read(8, &mut pos)?));
+            let dim = u64_at(&read(8, &mut pos)?);
+            elems = elems.checked_mul(dim).ok_or_else(|| {
+                bad(
+                    path,
+                    format!("tensor `{name}`: its dimensions overflow 64 bits"),
+                )
+            })?;
         }
         let ty = u32_at(&read(4, &mut pos)?);
         let offset = u64_at(&read(8, &mut pos)?);
         // Bytes per element block for the types MLX reads.
         let bytes = match ty {
-            0 => elems * 4,           // F32
-            1 => elems * 2,           // F16
-            2 => elems / 32 * 18,     // Q4_0
-            3 => elems / 32 * 20,     // Q4_1
-            8 => elems / 32 * 34,     // Q8_0
-            30 => elems * 2,          // BF16
+            0 => elems.checked_mul(4),           // F32
+            1 => elems.checked_mul(2),           // F16
+            2 => (elems / 32).checked_mul(18),   // Q4_0
+            3 => (elems / 32).checked_mul(20),   // Q4_1
+            8 => (elems / 32).checked_mul(34),   // Q8_0
+            30 => elems.checked_mul(2),          // BF16
             other => {
                 return Err(bad(
                     path,
@@ -163,11 +177,29 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
                 ))
             }
         };
+        let bytes = bytes
+            .ok_or_else(|| bad(path, format!("tensor `{name}`: its size overflows 64 bits")))?;
         infos.push((name, offset, bytes));
     }
-    let data_start = pos.div_ceil(alignment) * alignment;
+    let data_start = pos
+        .div_ceil(alignment)
+        .checked_mul(alignment)
+        .ok_or_else(|| {
+            bad(
+                path,
+                format!("alignment {alignment} overflows the file offsets"),
+            )
+        })?;
     for (name, offset, bytes) in infos {
-        let end = data_start + offset + bytes;
+        let Some(end) = data_start
+            .checked_add(offset)
+            .and_then(|e| e.checked_add(bytes))
+        else {
+            return Err(bad(
+                path,
+                format!("tensor `{name}`: offset {offset} + {bytes} bytes overflows 64 bits"),
+            ));
+        };
         if end > len {
             return Err(bad(
                 path,
@@ -178,55 +210,67 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
     Ok(())
 }
 
-fn meta_f64(f: &GgufFile, key: &str) -> Result<Option<f64>> {
-    match f
-        .get_metadata(key)
-        .map_err(|e| Error::Other(format!("GGUF metadata `{key}`: {e}")))?
-    {
-        Some(GgufMetadataValue::Array(a)) => Ok(Some(f64::from(
-            a.as_dtype(Dtype::Float32)?.try_item_exact::<f32>()?,
-        ))),
-        _ => Ok(None),
-    }
+/// Typed metadata reads; every error names the file and the key.
+struct Meta<'a> {
+    f: &'a GgufFile,
+    path: &'a Path,
 }
 
-fn meta_i64(f: &GgufFile, key: &str) -> Result<Option<i64>> {
-    match f
-        .get_metadata(key)
-        .map_err(|e| Error::Other(format!("GGUF metadata `{key}`: {e}")))?
-    {
-        Some(GgufMetadataValue::Array(a)) => Ok(Some(i64::from(
-            a.as_dtype(Dtype::Int32)?.try_item_exact::<i32>()?,
-        ))),
-        _ => Ok(None),
-    }
-}
-
-fn meta_str(f: &GgufFile, key: &str) -> Option<String> {
-    match f.get_metadata(key) {
-        Ok(Some(GgufMetadataValue::String(s))) => Some(s),
-        _ => None,
-    }
-}
-
-fn meta_strings(f: &GgufFile, key: &str) -> Vec<String> {
-    match f.get_metadata(key) {
-        Ok(Some(GgufMetadataValue::Strings(s))) => s,
-        _ => Vec::new(),
-    }
-}
-
-fn meta_ints(f: &GgufFile, key: &str) -> Result<Vec<i32>> {
-    match f
-        .get_metadata(key)
-        .map_err(|e| Error::Other(format!("GGUF metadata `{key}`: {e}")))?
-    {
-        Some(GgufMetadataValue::Array(a)) => {
-            let a = a.as_dtype(Dtype::Int32)?;
-            a.eval()?;
-            Ok(a.try_as_slice::<i32>()?.to_vec())
+impl Meta<'_> {
+    fn array(&self, key: &str, dtype: Dtype) -> Result<Option<Array>> {
+        let err = |e: &dyn std::fmt::Display| bad(self.path, format!("metadata `{key}`: {e}"));
+        match self.f.get_metadata(key).map_err(|e| err(&e))? {
+            Some(GgufMetadataValue::Array(a)) => {
+                let a = a.as_dtype(dtype).map_err(|e| err(&e))?;
+                a.eval().map_err(|e| err(&e))?;
+                Ok(Some(a))
+            }
+            _ => Ok(None),
         }
-        _ => Ok(Vec::new()),
+    }
+
+    fn f64(&self, key: &str) -> Result<Option<f64>> {
+        self.array(key, Dtype::Float32)?
+            .map(|a| {
+                a.try_item_exact::<f32>()
+                    .map(f64::from)
+                    .map_err(|e| bad(self.path, format!("metadata `{key}`: {e}")))
+            })
+            .transpose()
+    }
+
+    fn i64(&self, key: &str) -> Result<Option<i64>> {
+        self.array(key, Dtype::Int32)?
+            .map(|a| {
+                a.try_item_exact::<i32>()
+                    .map(i64::from)
+                    .map_err(|e| bad(self.path, format!("metadata `{key}`: {e}")))
+            })
+            .transpose()
+    }
+
+    fn ints(&self, key: &str) -> Result<Vec<i32>> {
+        match self.array(key, Dtype::Int32)? {
+            Some(a) => Ok(a
+                .try_as_slice::<i32>()
+                .map_err(|e| bad(self.path, format!("metadata `{key}`: {e}")))?
+                .to_vec()),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn str(&self, key: &str) -> Option<String> {
+        match self.f.get_metadata(key) {
+            Ok(Some(GgufMetadataValue::String(s))) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn strings(&self, key: &str) -> Vec<String> {
+        match self.f.get_metadata(key) {
+            Ok(Some(GgufMetadataValue::Strings(s))) => s,
+            _ => Vec::new(),
+        }
     }
 }
 
@@ -273,7 +317,8 @@ fn unpermute(a: &Array, heads: i32) -> Result<Array> {
 pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     validate_gguf(path)?;
     let f = GgufFile::load(path).map_err(|e| bad(path, e.to_string()))?;
-    let arch = meta_str(&f, "general.architecture").unwrap_or_default();
+    let meta = Meta { f: &f, path };
+    let arch = meta.str("general.architecture").unwrap_or_default();
     if arch != "llama" {
         return Err(bad(
             path,
@@ -281,25 +326,28 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         ));
     }
     let need = |k: &str| -> Result<i64> {
-        meta_i64(&f, k)?.ok_or_else(|| bad(path, format!("metadata `{k}` is missing")))
+        meta.i64(k)?
+            .ok_or_else(|| bad(path, format!("metadata `{k}` is missing")))
     };
     let layers = need("llama.block_count")?;
     let hidden = need("llama.embedding_length")?;
     let ffn = need("llama.feed_forward_length")?;
     let heads = need("llama.attention.head_count")?;
-    let kv_heads = meta_i64(&f, "llama.attention.head_count_kv")?.unwrap_or(heads);
-    let theta = meta_f64(&f, "llama.rope.freq_base")?.unwrap_or(10000.0);
-    let eps = meta_f64(&f, "llama.attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5);
-    let context = meta_i64(&f, "llama.context_length")?;
+    let kv_heads = meta.i64("llama.attention.head_count_kv")?.unwrap_or(heads);
+    let theta = meta.f64("llama.rope.freq_base")?.unwrap_or(10000.0);
+    let eps = meta
+        .f64("llama.attention.layer_norm_rms_epsilon")?
+        .unwrap_or(1e-5);
+    let context = meta.i64("llama.context_length")?;
     let tokenizer = GgufTokenizer {
-        model: meta_str(&f, "tokenizer.ggml.model").unwrap_or_default(),
-        tokens: meta_strings(&f, "tokenizer.ggml.tokens"),
-        merges: meta_strings(&f, "tokenizer.ggml.merges"),
-        token_types: meta_ints(&f, "tokenizer.ggml.token_type")?,
-        bos: meta_i64(&f, "tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
-        eos: meta_i64(&f, "tokenizer.ggml.eos_token_id")?.map(|v| v as u32),
-        add_bos: meta_i64(&f, "tokenizer.ggml.add_bos_token")?.map(|v| v != 0),
-        chat_template: meta_str(&f, "tokenizer.chat_template"),
+        model: meta.str("tokenizer.ggml.model").unwrap_or_default(),
+        tokens: meta.strings("tokenizer.ggml.tokens"),
+        merges: meta.strings("tokenizer.ggml.merges"),
+        token_types: meta.ints("tokenizer.ggml.token_type")?,
+        bos: meta.i64("tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
+        eos: meta.i64("tokenizer.ggml.eos_token_id")?.map(|v| v as u32),
+        add_bos: meta.i64("tokenizer.ggml.add_bos_token")?.map(|v| v != 0),
+        chat_template: meta.str("tokenizer.chat_template"),
     };
 
     let raw = f.arrays().map_err(|e| bad(path, e.to_string()))?;

@@ -177,6 +177,71 @@ fn truncated_gguf_names_the_file() {
     assert!(e.contains("cut.gguf"), "{e}");
 }
 
+/// GGUF headers whose counts, lengths, shapes and offsets were crafted to
+/// overflow 64-bit arithmetic or claim more than the file holds: each is
+/// an error naming the file (a panic in a debug build, or a wrapped check
+/// in a release one, before the checks were checked).
+#[test]
+fn crafted_gguf_headers_are_errors() {
+    fn header(n_tensors: u64, n_kv: u64) -> Vec<u8> {
+        let mut b = b"GGUF".to_vec();
+        b.extend(3u32.to_le_bytes());
+        b.extend(n_tensors.to_le_bytes());
+        b.extend(n_kv.to_le_bytes());
+        b
+    }
+    fn tensor(b: &mut Vec<u8>, dims: &[u64], ty: u32, offset: u64) {
+        b.extend(1u64.to_le_bytes());
+        b.push(b'w');
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+    }
+    let mut cases: Vec<(&str, Vec<u8>)> = Vec::new();
+    // A metadata key as long as the address space.
+    let mut b = header(0, 1);
+    b.extend((u64::MAX - 8).to_le_bytes());
+    cases.push(("key length", b));
+    // A string value of 2^64 - 1 bytes.
+    let mut b = header(0, 1);
+    b.extend(1u64.to_le_bytes());
+    b.push(b'k');
+    b.extend(8u32.to_le_bytes());
+    b.extend(u64::MAX.to_le_bytes());
+    cases.push(("string length", b));
+    // Dimensions whose product overflows.
+    let mut b = header(1, 0);
+    tensor(&mut b, &[1 << 40, 1 << 40], 0, 0);
+    cases.push(("element count", b));
+    // Elements times bytes per element overflows.
+    let mut b = header(1, 0);
+    tensor(&mut b, &[1 << 62], 0, 0);
+    cases.push(("byte size", b));
+    // An offset that wraps past the end check.
+    let mut b = header(1, 0);
+    tensor(&mut b, &[4], 0, u64::MAX - 2);
+    cases.push(("offset", b));
+    // A tensor name longer than the file.
+    let mut b = header(1, 0);
+    b.extend(1_000_000u64.to_le_bytes());
+    cases.push(("name length", b));
+    let dir = tempfile::tempdir().unwrap();
+    for (what, bytes) in cases {
+        let p = dir.path().join("crafted.gguf");
+        std::fs::write(&p, &bytes).unwrap();
+        let e = mlex_models::gguf::validate_gguf(&p)
+            .err()
+            .unwrap_or_else(|| panic!("{what}: accepted"))
+            .to_string();
+        assert!(e.contains("crafted.gguf"), "{what}: {e}");
+        let e = load_err(&p).to_string();
+        assert!(e.contains("crafted.gguf"), "{what}: {e}");
+    }
+}
+
 #[test]
 fn malformed_toml_architectures_are_named() {
     let dir = tempfile::tempdir().unwrap();

@@ -65,6 +65,9 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
         let mut shown = 0;
         let stops = a.sampling.stop.clone();
         let mut on_token = |t: u32| -> Result<Flow> {
+            if crate::interrupt::requested() {
+                return Ok(Flow::Stop);
+            }
             text.push_str(&detok.push(t)?);
             if let Some(cut) = cut_at_stop(&text, &stops) {
                 text.truncate(cut);
@@ -77,7 +80,15 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
             }
             Ok(Flow::Continue)
         };
-        let g = generator.generate(&prompt, &opts, &mut on_token)?;
+        // Ctrl-C cuts this reply short and the chat goes on; at the prompt
+        // it exits (see `interrupt`).
+        crate::interrupt::install();
+        crate::interrupt::set_generating(true);
+        let g = generator.generate(&prompt, &opts, &mut on_token);
+        crate::interrupt::set_generating(false);
+        let g = g?;
+        let interrupted = crate::interrupt::requested();
+        crate::interrupt::reset();
         text.push_str(&detok.finish()?);
         turn += 1;
         if json {
@@ -90,7 +101,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
                 "generated_tokens": g.tokens.len(),
                 "prefill_tok_s": g.prefill_tok_s(),
                 "decode_tok_s": g.decode_tok_s(),
-                "finish_reason": g.finish.as_str(),
+                "finish_reason": if interrupted { "interrupted" } else { g.finish.as_str() },
             });
             writeln!(out, "{obj}").map_err(|e| Error::io("<stdout>", e))?;
         } else {

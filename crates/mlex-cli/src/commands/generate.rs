@@ -62,6 +62,9 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     let mut shown = 0usize;
     let mut stdout = std::io::stdout().lock();
     let mut on_token = |t: u32| -> Result<Flow> {
+        if crate::interrupt::requested() {
+            return Ok(Flow::Stop);
+        }
         let Some(d) = detok.as_mut() else {
             return Ok(Flow::Continue);
         };
@@ -90,7 +93,17 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         }
         Ok(Flow::Continue)
     };
-    let g = generator.generate(&prompt, &opts, &mut on_token)?;
+    crate::interrupt::install();
+    crate::interrupt::set_generating(true);
+    let g = generator.generate(&prompt, &opts, &mut on_token);
+    crate::interrupt::set_generating(false);
+    let g = g?;
+    let interrupted = crate::interrupt::requested();
+    let finish = if interrupted {
+        "interrupted"
+    } else {
+        g.finish.as_str()
+    };
     if let Some(d) = detok.as_mut() {
         if g.finish != mlex_generate::Finish::Stop {
             text.push_str(&d.finish()?);
@@ -112,6 +125,9 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
             g.peak_memory_bytes as f64 / 1e9,
             if generator.is_compiled() { "compiled" } else { "eager" }
         );
+        if interrupted {
+            eprintln!("interrupted");
+        }
     } else {
         let out = json!({
             "token_ids": g.tokens,
@@ -122,7 +138,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
             "prefill_tok_s": g.prefill_tok_s(),
             "decode_tok_s": g.decode_tok_s(),
             "peak_memory_bytes": g.peak_memory_bytes,
-            "finish_reason": g.finish.as_str(),
+            "finish_reason": finish,
             "compiled": generator.is_compiled(),
         });
         writeln!(stdout, "{out}").map_err(|e| Error::io("<stdout>", e))?;

@@ -142,6 +142,28 @@ pub struct PromptCache {
     clock: u64,
 }
 
+/// The snapshot whose removal loses the least: the one closest to the
+/// snapshot before it (the gap a lookup would then re-feed grows least),
+/// the oldest among equals; the newest snapshot goes last. Checkpoints made
+/// every C tokens thus thin out from the start of a long prompt, every
+/// other one at a time: sparse for old context, dense for recent, where
+/// chats and agents most often diverge.
+fn thinnest(snapshots: &BTreeMap<usize, StateSnapshot>) -> Option<usize> {
+    let newest = *snapshots.keys().next_back()?;
+    if snapshots.len() == 1 {
+        return Some(newest);
+    }
+    let mut prev = 0;
+    let mut best: Option<(usize, usize)> = None; // (gap, boundary)
+    for &b in snapshots.keys() {
+        if b != newest && best.is_none_or(|(g, _)| b - prev < g) {
+            best = Some((b - prev, b));
+        }
+        prev = b;
+    }
+    best.map(|(_, b)| b)
+}
+
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -171,6 +193,15 @@ impl PromptCache {
     /// Bytes held (logical; buffers shared between entries count per entry).
     pub fn nbytes(&self) -> usize {
         self.entries.iter().map(Entry::nbytes).sum()
+    }
+
+    /// The token boundaries of each entry's state snapshots, ascending (what
+    /// a lookup can restore to besides an entry's end).
+    pub fn snapshot_boundaries(&self) -> Vec<Vec<usize>> {
+        self.entries
+            .iter()
+            .map(|e| e.snapshots.keys().copied().collect())
+            .collect()
     }
 
     /// Finds and restores the longest reusable prefix of `tokens`.
@@ -254,11 +285,11 @@ impl PromptCache {
                 .expect("non-empty");
             self.entries.remove(oldest);
         }
-        // A single entry over budget drops its oldest snapshots first.
+        // A single entry over budget thins its snapshots.
         if let Some(e) = self.entries.first_mut() {
             while e.nbytes() > self.max_bytes && !e.snapshots.is_empty() {
-                let first = *e.snapshots.keys().next().expect("non-empty");
-                e.snapshots.remove(&first);
+                let b = thinnest(&e.snapshots).expect("non-empty");
+                e.snapshots.remove(&b);
             }
         }
     }
@@ -326,9 +357,28 @@ impl PromptCache {
             META_KEY.to_owned(),
             serde_json::to_string(&header).map_err(|e| Error::Other(e.to_string()))?,
         )]);
-        Array::save_safetensors(arrays.iter().map(|(n, a)| (n.as_str(), a)), &meta, path)
-            .map_err(|e| Error::Other(format!("{}: {e}", path.display())))?;
-        Ok(())
+        // Atomically: a temporary file beside the target, then a rename, so a
+        // run killed mid-write leaves the old file or the new one. (MLX
+        // appends `.safetensors` to names without it, so the temporary name
+        // keeps that ending.)
+        let name = path
+            .file_name()
+            .ok_or_else(|| {
+                Error::invalid(
+                    "prompt-cache path",
+                    format!("{} names no file", path.display()),
+                )
+            })?
+            .to_string_lossy();
+        let tmp = path.with_file_name(format!(".{name}.{}.tmp.safetensors", std::process::id()));
+        let written =
+            Array::save_safetensors(arrays.iter().map(|(n, a)| (n.as_str(), a)), &meta, &tmp)
+                .map_err(|e| Error::Other(format!("{}: {e}", tmp.display())))
+                .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e)));
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written
     }
 
     /// Loads entries saved by [`PromptCache::save`]; the file must carry

@@ -166,3 +166,32 @@ fn save_and_load_with_fingerprint() {
         .to_string();
     assert!(err.contains("cache.safetensors"), "{err}");
 }
+
+/// Over its byte budget, an entry thins its checkpoints from the oldest,
+/// every other one at a time, and keeps the newest: sparse for old context,
+/// dense for recent.
+#[test]
+fn checkpoints_thin_from_the_oldest_under_a_byte_budget() {
+    let (model, prompt) = load("qwen3_5-f32").expect("qwen3_5-f32 fixture (cargo xtask fixtures)");
+    let n = 16.min(prompt.len());
+    let snaps: Vec<(usize, StateSnapshot)> = (1..8)
+        .map(|i| (2 * i, StateSnapshot::of(&run(&model, &prompt[..2 * i]))))
+        .collect();
+    let one_snapshot = {
+        let mut probe = PromptCache::new(1, usize::MAX);
+        let full = run(&model, &prompt[..n]);
+        let bare = full.nbytes();
+        probe.insert(
+            &u32s(&prompt[..n]),
+            full,
+            vec![(2, StateSnapshot::of(&run(&model, &prompt[..2])))],
+        );
+        probe.nbytes() - bare
+    };
+    let full = run(&model, &prompt[..n]);
+    let budget = full.nbytes() + 4 * one_snapshot;
+    let mut pc = PromptCache::new(4, budget);
+    pc.insert(&u32s(&prompt[..n]), full, snaps);
+    assert_eq!(pc.snapshot_boundaries(), vec![vec![4, 8, 12, 14]]);
+    assert!(pc.nbytes() <= budget);
+}

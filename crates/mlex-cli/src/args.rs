@@ -97,6 +97,9 @@ pub struct ModelArgs {
     /// Prompt tokens per prefill step (default: 4096 on a GPU, 512 on the CPU).
     #[arg(long, allow_negative_numbers = true, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: Option<u32>,
+    /// Snapshot recurrent state every N prompt tokens for prefix reuse (0: only at each prompt's end).
+    #[arg(long, value_name = "TOKENS", default_value_t = mlex_generate::DEFAULT_CHECKPOINT_EVERY)]
+    pub checkpoint_every: usize,
 }
 
 /// Sampling options.
@@ -156,6 +159,9 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub sampling: SamplingArgs,
     /// Output format.
+    /// Keep the prompt cache in DIR across runs (one file per model, written atomically).
+    #[arg(long, value_name = "DIR")]
+    pub prompt_cache: Option<std::path::PathBuf>,
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,
 }
@@ -170,6 +176,9 @@ pub struct ChatArgs {
     #[command(flatten)]
     pub sampling: SamplingArgs,
     /// Output format: json prints one object per turn.
+    /// Keep the prompt cache in DIR across runs (one file per model, written atomically).
+    #[arg(long, value_name = "DIR")]
+    pub prompt_cache: Option<std::path::PathBuf>,
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,
 }

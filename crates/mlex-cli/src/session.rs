@@ -166,3 +166,19 @@ pub fn cut_at_stop(text: &str, stops: &[String]) -> Option<usize> {
         .filter_map(|s| text.find(s.as_str()))
         .min()
 }
+
+/// The prompt-cache file of this model in `dir` (`<fingerprint>.safetensors`),
+/// loaded into `generator` when it exists; a file that is truncated, of
+/// another format or for another model is an error naming it.
+pub fn open_prompt_cache(
+    generator: &mut mlex_generate::Generator,
+    dir: &std::path::Path,
+    fingerprint: &str,
+) -> Result<std::path::PathBuf> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let path = dir.join(format!("{fingerprint}.safetensors"));
+    if path.exists() {
+        generator.prompt_cache.load(&path, fingerprint)?;
+    }
+    Ok(path)
+}

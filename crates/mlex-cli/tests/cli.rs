@@ -635,3 +635,86 @@ fn sigint_during_generation_prints_the_summary_and_exits_130() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// `--prompt-cache DIR` carries recurrent-state checkpoints across runs: a
+/// later run whose prompt shares 30 tokens restores the checkpoint at 24
+/// (every 8) and answers as a cold run; a truncated file or one saved for
+/// another model is an error naming it.
+#[test]
+fn prompt_cache_dir_reuses_a_prefix_across_runs() {
+    let p = fixture_path("qwen3_5-f32").expect("qwen3_5-f32 fixture (cargo xtask fixtures)");
+    let other = fixture_path("nemotron_h-f32").expect("nemotron_h-f32 fixture");
+    let first: Vec<i32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
+    let mut second = first[..30].to_vec();
+    second.extend((0..10).map(|i| (i * 11 + 5) % 200 + 1));
+    let dir = tempfile::tempdir().unwrap();
+    let gen = |model: &PathBuf, ids: &[i32], cache: Option<&std::path::Path>| {
+        let mut c = mlex();
+        c.args([
+            "generate",
+            "--format",
+            "json",
+            "--max-tokens",
+            "4",
+            "--checkpoint-every",
+            "8",
+        ])
+        .args(["--prompt-ids", &ids_arg(ids), "--model"])
+        .arg(model);
+        if let Some(d) = cache {
+            c.arg("--prompt-cache").arg(d);
+        }
+        c.output().unwrap()
+    };
+    let out = gen(&p, &first, Some(dir.path()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(last_json(&out.stdout)["prompt_tokens_reused"], 0);
+    let out = gen(&p, &second, Some(dir.path()));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let warm = last_json(&out.stdout);
+    assert_eq!(warm["prompt_tokens_reused"], 24, "{warm}");
+    assert_eq!(warm["prompt_tokens_computed"], 16, "{warm}");
+    let cold = last_json(&gen(&p, &second, None).stdout);
+    assert_eq!(warm["token_ids"], cold["token_ids"]);
+
+    let files: Vec<PathBuf> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(
+        files.len(),
+        1,
+        "one file per model, no temporary left: {files:?}"
+    );
+    let file = &files[0];
+    let name = file.file_name().unwrap().to_string_lossy().into_owned();
+    // Truncated.
+    let bytes = std::fs::read(file).unwrap();
+    std::fs::write(file, &bytes[..bytes.len() / 2]).unwrap();
+    let out = gen(&p, &second, Some(dir.path()));
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains(&name) && !e.contains("panicked"), "{e}");
+    // Saved for another model, under this model's name.
+    let elsewhere = tempfile::tempdir().unwrap();
+    assert!(gen(&other, &first, Some(elsewhere.path())).status.success());
+    let theirs = std::fs::read_dir(elsewhere.path())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::copy(&theirs, file).unwrap();
+    let out = gen(&p, &second, Some(dir.path()));
+    assert!(!out.status.success());
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains(&name) && e.contains("another model"), "{e}");
+}

@@ -116,6 +116,11 @@ pub fn default_prefill_chunk() -> usize {
     }
 }
 
+/// Default [`Generator::checkpoint_every`]: a 22 MB snapshot of the
+/// Qwen3.5-like model's recurrent state per 1,024 tokens, and prefill
+/// pieces large enough that their matrix products stay efficient.
+pub const DEFAULT_CHECKPOINT_EVERY: usize = 1024;
+
 /// A model with its compiled decoder and prompt cache.
 pub struct Generator {
     /// The model.
@@ -125,6 +130,11 @@ pub struct Generator {
     pub prompt_cache: PromptCache,
     /// Prompt tokens per prefill chunk.
     pub prefill_chunk: usize,
+    /// For models with recurrent state: prefill snapshots that state every
+    /// this many tokens (absolute positions), so that a later prompt that
+    /// diverges anywhere re-feeds fewer than this many shared tokens. `0`
+    /// keeps only the end of each prompt.
+    pub checkpoint_every: usize,
 }
 
 impl Generator {
@@ -141,6 +151,7 @@ impl Generator {
             decoder,
             prompt_cache: PromptCache::new(8, 4 << 30),
             prefill_chunk: default_prefill_chunk(),
+            checkpoint_every: DEFAULT_CHECKPOINT_EVERY,
         }
     }
 
@@ -162,23 +173,51 @@ impl Generator {
         }
     }
 
-    /// Computes `tokens` into `cache` in chunks; returns the last logits.
-    fn prefill(&mut self, tokens: &[u32], cache: &mut ModelCache) -> Result<Array> {
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let chunk = self.prefill_chunk.max(1);
-        let n = ids.len().div_ceil(chunk);
-        let mut logits = None;
-        for (i, piece) in ids.chunks(chunk).enumerate() {
-            let x = Array::from_slice(piece, &[1, piece.len() as i32]);
-            if i + 1 < n {
-                self.model.forward_hidden(&x, cache)?;
-                // Bound the graph: materialise the cache chunk by chunk.
-                eval(cache.arrays().iter())?;
-            } else {
-                logits = Some(self.model.forward_last(&x, cache)?);
-            }
+    /// Computes `tokens` (the prompt from position `start` on) into `cache`
+    /// in steps of `prefill_chunk`, evaluating between steps; returns the
+    /// last logits. With `snapshots`, the fixed-size state is also recorded
+    /// at every absolute multiple of `checkpoint_every` before the end (the
+    /// step is cut there; the snapshot holds arrays the next evaluation
+    /// computes anyway, so it costs their memory, not compute).
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        cache: &mut ModelCache,
+        mut snapshots: Option<&mut Vec<(usize, StateSnapshot)>>,
+    ) -> Result<Array> {
+        if tokens.is_empty() {
+            return Err(Error::invalid("prompt", "is empty"));
         }
-        logits.ok_or_else(|| Error::invalid("prompt", "is empty"))
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let step = self.prefill_chunk.max(1);
+        let every = self.checkpoint_every;
+        let end = start + ids.len();
+        let (mut pos, mut since_eval) = (start, 0);
+        loop {
+            let mut next = (pos + step - since_eval).min(end);
+            if snapshots.is_some() && every > 0 {
+                next = next.min((pos / every + 1) * every);
+            }
+            let piece = &ids[pos - start..next - start];
+            let x = Array::from_slice(piece, &[1, piece.len() as i32]);
+            if next == end {
+                return self.model.forward_last(&x, cache);
+            }
+            self.model.forward_hidden(&x, cache)?;
+            if let Some(snaps) = snapshots.as_deref_mut() {
+                if every > 0 && next.is_multiple_of(every) {
+                    snaps.push((next, StateSnapshot::of(cache)));
+                }
+            }
+            since_eval += next - pos;
+            if since_eval >= step {
+                // Bound the graph: materialise the cache step by step.
+                eval(cache.arrays().iter())?;
+                since_eval = 0;
+            }
+            pos = next;
+        }
     }
 
     /// Generates from `prompt`, calling `on_token` with every new id.
@@ -219,8 +258,15 @@ impl Generator {
             Some(h) => (h.cache, h.reused),
             None => (self.model.make_cache(1)?, 0),
         };
-        let logits = self.prefill(&prompt[reused..], &mut cache)?;
         // Only the fixed-size state: holding it costs no copy of the KV caches.
+        let recurrent = cache.layers.iter().flatten().any(|c| !c.grows());
+        let mut checkpoints = Vec::new();
+        let logits = self.prefill(
+            &prompt[reused..],
+            reused,
+            &mut cache,
+            (opts.use_prompt_cache && recurrent).then_some(&mut checkpoints),
+        )?;
         let prompt_snapshot = opts.use_prompt_cache.then(|| StateSnapshot::of(&cache));
 
         let ctx = opts.sampler.repetition_context.max(1);
@@ -283,8 +329,8 @@ impl Generator {
         let end = Instant::now();
         let first_at = first_at.unwrap_or(end);
         if let Some(snap) = prompt_snapshot {
-            self.prompt_cache
-                .insert(&fed, cache, vec![(prompt.len(), snap)]);
+            checkpoints.push((prompt.len(), snap));
+            self.prompt_cache.insert(&fed, cache, checkpoints);
         }
         Ok(Generation {
             tokens: out,

@@ -16,6 +16,8 @@ pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
 pub use detok::StreamingDetokenizer;
-pub use generate::{Finish, Flow, GenerateOptions, Generation, Generator};
+pub use generate::{
+    Finish, Flow, GenerateOptions, Generation, Generator, DEFAULT_CHECKPOINT_EVERY,
+};
 pub use sampler::{Sampler, SamplerConfig};
 pub use tokenizer::Tokenizer;

@@ -34,6 +34,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     if let Some(n) = a.model.prefill_chunk {
         g.prefill_chunk = n as usize;
     }
+    g.checkpoint_every = a.model.checkpoint_every;
     let prompt = prompt_ids(a.prompt_len, vocab);
     let opts = |n: usize| GenerateOptions {
         max_tokens: n,

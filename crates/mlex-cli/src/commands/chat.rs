@@ -4,7 +4,8 @@
 
 use crate::args::{ChatArgs, Format};
 use crate::session::{
-    chat_tokens, compile, cut_at_stop, generate_options, load_with, tokenizer_for,
+    chat_tokens, compile, cut_at_stop, generate_options, load_with, open_prompt_cache,
+    tokenizer_for,
 };
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
@@ -17,10 +18,16 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
     let vocab = loaded.model.vocab_size() as usize;
     let tokenizer = tokenizer_for(&loaded)?;
     let opts = generate_options(&a.sampling, Some(&tokenizer), vocab)?;
+    let fingerprint = loaded.fingerprint.clone();
     let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
     if let Some(n) = a.model.prefill_chunk {
         generator.prefill_chunk = n as usize;
     }
+    generator.checkpoint_every = a.model.checkpoint_every;
+    let cache_file = match &a.prompt_cache {
+        Some(dir) => Some(open_prompt_cache(&mut generator, dir, &fingerprint)?),
+        None => None,
+    };
     let interactive = std::io::stdin().is_terminal();
     let json = a.format == Format::Json;
     let system: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).collect();
@@ -87,6 +94,9 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
         let g = generator.generate(&prompt, &opts, &mut on_token);
         crate::interrupt::set_generating(false);
         let g = g?;
+        if let Some(path) = &cache_file {
+            generator.prompt_cache.save(path, &fingerprint)?;
+        }
         let interrupted = crate::interrupt::requested();
         crate::interrupt::reset();
         text.push_str(&detok.finish()?);

@@ -2,7 +2,8 @@
 
 use crate::args::{Format, GenerateArgs};
 use crate::session::{
-    chat_tokens, compile, cut_at_stop, generate_options, load_with, tokenizer_for,
+    chat_tokens, compile, cut_at_stop, generate_options, load_with, open_prompt_cache,
+    tokenizer_for,
 };
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
@@ -45,10 +46,16 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         }
     };
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
+    let loaded_fingerprint = loaded.fingerprint.clone();
     let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
     if let Some(n) = a.model.prefill_chunk {
         generator.prefill_chunk = n as usize;
     }
+    generator.checkpoint_every = a.model.checkpoint_every;
+    let cache_file = match &a.prompt_cache {
+        Some(dir) => Some(open_prompt_cache(&mut generator, dir, &loaded_fingerprint)?),
+        None => None,
+    };
     let stream = a.format == Format::Text;
     let stops = a.sampling.stop.clone();
     let hold = stops
@@ -98,6 +105,9 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     let g = generator.generate(&prompt, &opts, &mut on_token);
     crate::interrupt::set_generating(false);
     let g = g?;
+    if let Some(path) = &cache_file {
+        generator.prompt_cache.save(path, &loaded_fingerprint)?;
+    }
     let interrupted = crate::interrupt::requested();
     let finish = if interrupted {
         "interrupted"
@@ -134,6 +144,8 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
             "text": text,
             "prompt_tokens": g.prompt_tokens,
             "reused_prompt_tokens": g.reused_tokens,
+            "prompt_tokens_reused": g.reused_tokens,
+            "prompt_tokens_computed": g.prompt_tokens - g.reused_tokens,
             "generated_tokens": g.tokens.len(),
             "prefill_tok_s": g.prefill_tok_s(),
             "decode_tok_s": g.decode_tok_s(),

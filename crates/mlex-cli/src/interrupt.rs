@@ -9,7 +9,7 @@ static COUNT: AtomicUsize = AtomicUsize::new(0);
 static GENERATING: AtomicBool = AtomicBool::new(false);
 
 /// Installs the handler (once per process; later calls do nothing).
-pub fn install() {
+fn install() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // If no handler can be installed, SIGINT keeps its default action.
@@ -24,7 +24,7 @@ pub fn install() {
 
 /// Marks generation as running (`true`) or finished; a finished generation
 /// forgets an interrupt it has already acted on only through [`reset`].
-pub fn set_generating(on: bool) {
+fn set_generating(on: bool) {
     GENERATING.store(on, Ordering::SeqCst);
 }
 
@@ -37,4 +37,15 @@ pub fn requested() -> bool {
 /// with the next one).
 pub fn reset() {
     COUNT.store(0, Ordering::SeqCst);
+}
+
+/// Runs `generate` with Ctrl-C stopping it after the current token (the
+/// `on_token` callbacks check [`requested`]); returns its result and whether
+/// it was interrupted.
+pub fn generating<T>(generate: impl FnOnce() -> T) -> (T, bool) {
+    install();
+    set_generating(true);
+    let out = generate();
+    set_generating(false);
+    (out, requested())
 }

@@ -10,7 +10,10 @@
 
 use mlex_core::error::{Error, Result};
 use mlx_rs::{Array, Dtype, Stream};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::ffi::CString;
+use std::rc::Rc;
 
 /// A compile-time argument of a kernel.
 #[derive(Clone, Copy, Debug)]
@@ -190,5 +193,50 @@ impl Drop for CudaKernel {
     fn drop(&mut self) {
         // SAFETY: created by mlx_fast_cuda_kernel_new, freed once.
         unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.raw) };
+    }
+}
+
+thread_local! {
+    /// Kernels by name (MLX arrays and kernels stay on their thread).
+    static KERNELS: RefCell<HashMap<&'static str, Rc<CudaKernel>>> = RefCell::new(HashMap::new());
+}
+
+impl CudaKernel {
+    /// The kernel `name` of this thread, built from `source` on first use.
+    pub fn cached(
+        name: &'static str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &'static str,
+    ) -> Result<Rc<CudaKernel>> {
+        KERNELS.with(|k| {
+            if let Some(found) = k.borrow().get(name) {
+                return Ok(found.clone());
+            }
+            let made = Rc::new(CudaKernel::new(name, inputs, outputs, source)?);
+            k.borrow_mut().insert(name, made.clone());
+            Ok(made)
+        })
+    }
+
+    /// [`apply`](Self::apply) for a kernel with two outputs.
+    pub fn apply2(
+        &self,
+        inputs: &[&Array],
+        outputs: [OutputSpec; 2],
+        template: &[(&str, TemplateArg)],
+        grid: (i32, i32, i32),
+        block: (i32, i32, i32),
+    ) -> Result<(Array, Array)> {
+        let mut out = self
+            .apply(inputs, &outputs, template, grid, block)?
+            .into_iter();
+        match (out.next(), out.next()) {
+            (Some(a), Some(b)) => Ok((a, b)),
+            _ => Err(Error::invalid(
+                &self.name,
+                "the CUDA kernel returned fewer than two outputs",
+            )),
+        }
     }
 }

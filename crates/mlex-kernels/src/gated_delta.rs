@@ -546,10 +546,6 @@ pub fn fused_decode_supported(heads: Heads) -> bool {
         && heads.value_heads % heads.key_heads == 0
 }
 
-thread_local! {
-    static DECODE_KERNEL: RefCell<Option<std::rc::Rc<crate::cuda::CudaKernel>>> = const { RefCell::new(None) };
-}
-
 /// [`decode_ops`] as one custom CUDA kernel (`gated_delta_decode.cu`):
 /// split, q/k normalisation, gates and the state update in one launch.
 /// CUDA only; check [`fused_decode_supported`] first.
@@ -586,23 +582,17 @@ pub fn decode_fused(
             ),
         ));
     }
-    let kernel = DECODE_KERNEL.with(|k| -> Result<_> {
-        let mut slot = k.borrow_mut();
-        if slot.is_none() {
-            *slot = Some(std::rc::Rc::new(CudaKernel::new(
-                "mlex_gated_delta_decode",
-                &["conv", "a", "b", "a_log", "dt_bias", "state"],
-                &["y", "state_out"],
-                include_str!("gated_delta_decode.cu"),
-            )?));
-        }
-        Ok(slot.clone().expect("set above"))
-    })?;
+    let kernel = CudaKernel::cached(
+        "mlex_gated_delta_decode",
+        &["conv", "a", "b", "a_log", "dt_bias", "state"],
+        &["y", "state_out"],
+        include_str!("gated_delta_decode.cu"),
+    )?;
     let dtype = conv.dtype();
     let state = state.as_dtype(Dtype::Float32)?;
-    let out = kernel.apply(
+    kernel.apply2(
         &[conv, a, b, a_log, dt_bias, &state],
-        &[
+        [
             OutputSpec {
                 shape: vec![bsz, 1, nv, dv],
                 dtype,
@@ -621,13 +611,5 @@ pub fn decode_fused(
         ],
         (32, dv, bsz * nv),
         (32, 4, 1),
-    )?;
-    let mut out = out.into_iter();
-    match (out.next(), out.next()) {
-        (Some(y), Some(s)) => Ok((y, s)),
-        _ => Err(Error::invalid(
-            "fused gated delta decode",
-            "the kernel returned fewer than two outputs",
-        )),
-    }
+    )
 }

@@ -8,8 +8,6 @@ use crate::cuda::{CudaKernel, OutputSpec, TemplateArg};
 use mlex_core::error::{Error, Result};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
-use std::cell::RefCell;
-use std::rc::Rc;
 
 /// The sizes of a Mamba2 mixer.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -98,10 +96,6 @@ pub fn fused_decode_supported(shape: Shape) -> bool {
         && shape.heads % shape.groups == 0
 }
 
-thread_local! {
-    static KERNEL: RefCell<Option<Rc<CudaKernel>>> = const { RefCell::new(None) };
-}
-
 /// [`decode_ops`] as one custom CUDA kernel (`mamba2_decode.cu`). CUDA
 /// only; check [`fused_decode_supported`] first.
 pub fn decode_fused(
@@ -134,24 +128,18 @@ pub fn decode_fused(
             ),
         ));
     }
-    let kernel = KERNEL.with(|k| -> Result<_> {
-        let mut slot = k.borrow_mut();
-        if slot.is_none() {
-            *slot = Some(Rc::new(CudaKernel::new(
-                "mlex_mamba2_decode",
-                &["conv", "dt", "dt_bias", "a_log", "d", "limits", "state"],
-                &["y", "state_out"],
-                include_str!("mamba2_decode.cu"),
-            )?));
-        }
-        Ok(slot.clone().expect("set above"))
-    })?;
+    let kernel = CudaKernel::cached(
+        "mlex_mamba2_decode",
+        &["conv", "dt", "dt_bias", "a_log", "d", "limits", "state"],
+        &["y", "state_out"],
+        include_str!("mamba2_decode.cu"),
+    )?;
     let dtype = conv.dtype();
     let limits = Array::from_slice(&[dt_limit.0, dt_limit.1], &[2]);
     let state = state.as_dtype(Dtype::Float32)?;
-    let out = kernel.apply(
+    kernel.apply2(
         &[conv, dt, p.dt_bias, p.a_log, p.d, &limits, &state],
-        &[
+        [
             OutputSpec {
                 shape: vec![b, 1, h, dh],
                 dtype,
@@ -170,13 +158,5 @@ pub fn decode_fused(
         ],
         (32, dh, b * h),
         (32, 4, 1),
-    )?;
-    let mut out = out.into_iter();
-    match (out.next(), out.next()) {
-        (Some(y), Some(s)) => Ok((y, s)),
-        _ => Err(Error::invalid(
-            "fused mamba2 decode",
-            "the kernel returned fewer than two outputs",
-        )),
-    }
+    )
 }

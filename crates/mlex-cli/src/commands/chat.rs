@@ -89,15 +89,12 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
         };
         // Ctrl-C cuts this reply short and the chat goes on; at the prompt
         // it exits (see `interrupt`).
-        crate::interrupt::install();
-        crate::interrupt::set_generating(true);
-        let g = generator.generate(&prompt, &opts, &mut on_token);
-        crate::interrupt::set_generating(false);
+        let (g, interrupted) =
+            crate::interrupt::generating(|| generator.generate(&prompt, &opts, &mut on_token));
         let g = g?;
         if let Some(path) = &cache_file {
             generator.prompt_cache.save(path, &fingerprint)?;
         }
-        let interrupted = crate::interrupt::requested();
         crate::interrupt::reset();
         text.push_str(&detok.finish()?);
         turn += 1;

@@ -100,15 +100,12 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         }
         Ok(Flow::Continue)
     };
-    crate::interrupt::install();
-    crate::interrupt::set_generating(true);
-    let g = generator.generate(&prompt, &opts, &mut on_token);
-    crate::interrupt::set_generating(false);
+    let (g, interrupted) =
+        crate::interrupt::generating(|| generator.generate(&prompt, &opts, &mut on_token));
     let g = g?;
     if let Some(path) = &cache_file {
         generator.prompt_cache.save(path, &loaded_fingerprint)?;
     }
-    let interrupted = crate::interrupt::requested();
     let finish = if interrupted {
         "interrupted"
     } else {

@@ -6,7 +6,10 @@
 //!   with mlex's own `attention` kind.
 //!
 //! Both register with one macro each; linking this crate is enough for
-//! `mlex_models::registry()` (and `mlex list`) to show them.
+//! `mlex_models::registry()` to show them. The crate's binary,
+//! `mlex-example` (`src/main.rs`), is the whole `mlex` CLI in three lines
+//! (`mlex_cli::main()`), so `mlex-example list` and `mlex-example generate`
+//! see them too; the shipped `mlex` binary does not link this crate.
 
 use mlex_core::arch::{Architecture, HeadPlan, LayerPlan, ModelPlan};
 use mlex_core::cache::Cache;

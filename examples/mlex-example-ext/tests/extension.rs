@@ -5,45 +5,19 @@ use mlex_compile::SegmentedDecoder;
 use mlex_core::config::ModelConfig;
 use mlex_core::model::Model;
 use mlex_core::weights::WeightMap;
-use mlx_rs::{random, Array, Dtype};
+use mlx_rs::{Array, Dtype};
 use serde_json::json;
 
 // Link the example crate (its registrations come with it).
 use mlex_example_ext as _;
 
+mod common;
+
 fn toy_weights(hidden: i32, vocab: i32, layers: i32) -> WeightMap {
     let mut w = WeightMap::new();
     let f = w.add_file("in-memory".into());
-    let mut n = 0;
-    let mut rand = |shape: &[i32], scale: f32| {
-        n += 1;
-        let key = random::key(n).unwrap();
-        let a = random::normal::<f32>(shape, None, None, &key).unwrap();
-        mlx_rs::ops::multiply(&a, Array::from_f32(scale)).unwrap()
-    };
-    w.insert("embed.weight", rand(&[vocab, hidden], 0.5), f);
-    w.insert("norm.weight", rand(&[hidden], 0.1), f);
-    let heads_dim = hidden; // 4 heads of 8
-    for i in 0..layers {
-        let p = format!("layers.{i}");
-        if i % 2 == 0 {
-            w.insert(format!("{p}.norm.weight"), rand(&[hidden], 1.0), f);
-            w.insert(format!("{p}.up.weight"), rand(&[hidden, hidden], 0.2), f);
-            w.insert(format!("{p}.gate"), rand(&[hidden], 1.0), f);
-        } else {
-            w.insert(
-                format!("{p}.input_layernorm.weight"),
-                rand(&[hidden], 1.0),
-                f,
-            );
-            for m in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-                w.insert(
-                    format!("{p}.self_attn.{m}.weight"),
-                    rand(&[heads_dim, hidden], 0.2),
-                    f,
-                );
-            }
-        }
+    for (name, a) in common::toy_tensors(hidden, vocab, layers) {
+        w.insert(name, a, f);
     }
     w
 }

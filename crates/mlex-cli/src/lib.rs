@@ -1,0 +1,44 @@
+//! The `mlex` command line as a library, so that a crate with its own
+//! architectures and layer kinds (registered through `inventory`) gets the
+//! whole CLI in a three-line `main`:
+//!
+//! ```no_run
+//! use my_layers as _; // link the crate whose registrations should appear
+//! fn main() -> std::process::ExitCode {
+//!     mlex_cli::main()
+//! }
+//! # mod my_layers {}
+//! ```
+
+#![warn(missing_docs)]
+
+mod args;
+mod commands;
+mod interrupt;
+mod session;
+
+use clap::Parser;
+use std::process::ExitCode;
+
+/// Parses the process's arguments, runs the command and returns its exit
+/// status (1 on an error, 130 after Ctrl-C, the error printed to stderr).
+pub fn main() -> ExitCode {
+    // A closed pipe (`mlex inspect | head`) ends the program quietly by
+    // SIGPIPE, as for other Unix tools; Rust ignores SIGPIPE by default,
+    // which turns the next print into a panic.
+    #[cfg(unix)]
+    // SAFETY: restoring a signal's default action before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    let cli = args::Cli::parse();
+    let result = commands::run(cli);
+    if let Err(e) = &result {
+        eprintln!("error: {e}");
+    }
+    match result {
+        _ if interrupt::requested() => ExitCode::from(130),
+        Ok(()) => ExitCode::SUCCESS,
+        Err(_) => ExitCode::FAILURE,
+    }
+}

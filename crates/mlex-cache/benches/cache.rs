@@ -57,10 +57,7 @@ fn kv_append(c: &mut Criterion) {
 }
 
 fn prefix_restore(c: &mut Criterion) {
-    let Some(f) = mlex_testkit::fixture("qwen3_5-f32") else {
-        eprintln!("prefix_restore: no fixtures (cargo xtask fixtures); skipped");
-        return;
-    };
+    let f = mlex_testkit::fixture("qwen3_5-f32");
     let registry = mlex_models::registry().unwrap();
     let model = mlex_models::load::load(mlex_testkit::path_of(&f).to_str().unwrap(), registry)
         .unwrap()

@@ -6,11 +6,11 @@ use mlex_cache::{PromptCache, StateSnapshot};
 use mlex_core::model::{Model, ModelCache};
 use mlex_testkit::*;
 
-fn load(name: &str) -> Option<(Model, Vec<i32>)> {
-    let f = fixture(name)?;
+fn load(name: &str) -> (Model, Vec<i32>) {
+    let f = fixture(name);
     let registry = mlex_models::registry().unwrap();
     let loaded = mlex_models::load::load(path_of(&f).to_str().unwrap(), registry).unwrap();
-    Some((loaded.model, reference(&f).prompt))
+    (loaded.model, reference(&f).prompt)
 }
 
 fn u32s(v: &[i32]) -> Vec<u32> {
@@ -36,9 +36,7 @@ fn continue_vs_full(model: &Model, mut cache: ModelCache, rest: &[i32], full: &[
 
 #[test]
 fn hybrid_prefix_restores_recurrent_state_exactly() {
-    let Some((model, prompt)) = load("qwen3_5-f32") else {
-        return;
-    };
+    let (model, prompt) = load("qwen3_5-f32");
     assert!(
         !model.make_cache(1).unwrap().is_trimmable(),
         "qwen3_5 keeps recurrent state"
@@ -77,9 +75,7 @@ fn hybrid_prefix_restores_recurrent_state_exactly() {
 
 #[test]
 fn attention_only_prefix_is_trimmed() {
-    let Some((model, prompt)) = load("llama-f32") else {
-        return;
-    };
+    let (model, prompt) = load("llama-f32");
     let mut pc = PromptCache::new(4, 1 << 30);
     let a = &prompt[..16];
     pc.insert(&u32s(a), run(&model, a), vec![]);
@@ -93,9 +89,7 @@ fn attention_only_prefix_is_trimmed() {
 
 #[test]
 fn bounded_by_entries_and_bytes() {
-    let Some((model, prompt)) = load("llama-f32") else {
-        return;
-    };
+    let (model, prompt) = load("llama-f32");
     let mut pc = PromptCache::new(2, 1 << 30);
     for i in 0..3 {
         let p: Vec<i32> = std::iter::once(i)
@@ -123,9 +117,7 @@ fn bounded_by_entries_and_bytes() {
 
 #[test]
 fn save_and_load_with_fingerprint() {
-    let Some(f) = fixture("nemotron_h-f32") else {
-        return;
-    };
+    let f = fixture("nemotron_h-f32");
     let registry = mlex_models::registry().unwrap();
     let loaded = mlex_models::load::load(path_of(&f).to_str().unwrap(), registry).unwrap();
     let (model, prompt) = (&loaded.model, reference(&f).prompt);
@@ -172,7 +164,7 @@ fn save_and_load_with_fingerprint() {
 /// dense for recent.
 #[test]
 fn checkpoints_thin_from_the_oldest_under_a_byte_budget() {
-    let (model, prompt) = load("qwen3_5-f32").expect("qwen3_5-f32 fixture (cargo xtask fixtures)");
+    let (model, prompt) = load("qwen3_5-f32");
     let n = 16.min(prompt.len());
     let snaps: Vec<(usize, StateSnapshot)> = (1..8)
         .map(|i| (2 * i, StateSnapshot::of(&run(&model, &prompt[..2 * i]))))

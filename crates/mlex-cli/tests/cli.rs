@@ -12,8 +12,8 @@ fn mlex() -> Command {
     c
 }
 
-fn fixture_path(name: &str) -> Option<PathBuf> {
-    fixture(name).map(|f| path_of(&f))
+fn fixture_path(name: &str) -> PathBuf {
+    path_of(&fixture(name))
 }
 
 fn last_json(out: &[u8]) -> Value {
@@ -124,9 +124,7 @@ fn list_shows_architectures_and_kinds_with_origins() {
 
 #[test]
 fn inspect_shows_plan_schedule_and_weights() {
-    let Some(p) = fixture_path("qwen3_next-q4") else {
-        return;
-    };
+    let p = fixture_path("qwen3_next-q4");
     let out = mlex()
         .args(["inspect", "--format", "json", "--model"])
         .arg(&p)
@@ -171,9 +169,7 @@ fn inspect_shows_plan_schedule_and_weights() {
 
 #[test]
 fn logits_match_the_reference() {
-    let Some(f) = fixture("llama-f32") else {
-        return;
-    };
+    let f = fixture("llama-f32");
     let r = reference(&f);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("l.npy");
@@ -193,7 +189,7 @@ fn logits_match_the_reference() {
 #[test]
 fn generate_json_matches_mlx_lm_greedy_tokens() {
     for name in ["qwen3_5-f32", "nemotron_h-f32"] {
-        let Some(f) = fixture(name) else { return };
+        let f = fixture(name);
         let r = reference(&f);
         for compile in [true, false] {
             let mut cmd = mlex();
@@ -231,9 +227,7 @@ fn generate_json_matches_mlx_lm_greedy_tokens() {
 
 #[test]
 fn bench_reports_speed_and_memory() {
-    let Some(p) = fixture_path("qwen3_5-q4") else {
-        return;
-    };
+    let p = fixture_path("qwen3_5-q4");
     let out = mlex()
         .args([
             "bench",
@@ -275,9 +269,7 @@ fn env_reports_the_runtime() {
 
 #[test]
 fn bad_options_and_inputs_are_clear_errors() {
-    let Some(p) = fixture_path("llama-f32") else {
-        return;
-    };
+    let p = fixture_path("llama-f32");
     for (opt, val) in [
         ("--top-p", "1.5"),
         ("--temp", "-1"),
@@ -350,9 +342,7 @@ fn bad_options_and_inputs_are_clear_errors() {
 
 #[test]
 fn a_repo_id_resolves_from_the_local_hugging_face_cache() {
-    let Some(p) = fixture_path("llama-q4") else {
-        return;
-    };
+    let p = fixture_path("llama-q4");
     let home = tempfile::tempdir().unwrap();
     let repo = home.path().join("hub/models--acme--tiny-llama");
     let snap = repo.join("snapshots/0123abcd");
@@ -384,13 +374,13 @@ fn a_repo_id_resolves_from_the_local_hugging_face_cache() {
     assert!(String::from_utf8_lossy(&out).contains("Hugging Face cache"));
 }
 
-fn smollm2() -> Option<PathBuf> {
+fn smollm2() -> PathBuf {
     fixture_path("smollm2-gguf")
 }
 
 #[test]
 fn smollm2_answers_paris() {
-    let Some(g) = smollm2() else { return };
+    let g = smollm2();
     let out = mlex()
         .args([
             "generate",
@@ -481,7 +471,7 @@ fn smollm2_answers_paris() {
 
 #[test]
 fn chat_second_turn_prefills_only_new_tokens() {
-    let Some(g) = smollm2() else { return };
+    let g = smollm2();
     let out = mlex()
         .args(["chat", "--format", "json", "--max-tokens", "30", "--model"])
         .arg(&g)
@@ -596,7 +586,7 @@ fn negative_numbers_name_their_option() {
 #[test]
 fn sigint_during_generation_prints_the_summary_and_exits_130() {
     use std::io::Read;
-    let g = smollm2().expect("the smollm2-gguf fixture (cargo xtask fixtures)");
+    let g = smollm2();
     // The end-of-text ids are biased away so that only the interrupt ends it.
     let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("mlex"))
         .args([
@@ -642,8 +632,8 @@ fn sigint_during_generation_prints_the_summary_and_exits_130() {
 /// another model is an error naming it.
 #[test]
 fn prompt_cache_dir_reuses_a_prefix_across_runs() {
-    let p = fixture_path("qwen3_5-f32").expect("qwen3_5-f32 fixture (cargo xtask fixtures)");
-    let other = fixture_path("nemotron_h-f32").expect("nemotron_h-f32 fixture");
+    let p = fixture_path("qwen3_5-f32");
+    let other = fixture_path("nemotron_h-f32");
     let first: Vec<i32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
     let mut second = first[..30].to_vec();
     second.extend((0..10).map(|i| (i * 11 + 5) % 200 + 1));

@@ -8,7 +8,7 @@ use mlex_models::load::load;
 use mlex_testkit::*;
 
 fn generator(name: &str) -> Generator {
-    let all = fixtures().expect("fixtures (cargo xtask fixtures)");
+    let all = fixtures();
     let f = all
         .iter()
         .find(|f| f.name == name)

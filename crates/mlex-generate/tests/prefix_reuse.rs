@@ -57,7 +57,7 @@ fn diverging(base: &[u32], d: usize, len: usize, vocab: u32) -> Vec<u32> {
 
 #[test]
 fn a_prompt_diverging_anywhere_continues_as_a_cold_prefill() {
-    let all = fixtures().expect("fixtures (cargo xtask fixtures)");
+    let all = fixtures();
     let names = [
         "qwen3_5-f32",
         "qwen3_next-f32",
@@ -104,7 +104,7 @@ fn a_prompt_diverging_anywhere_continues_as_a_cold_prefill() {
 /// 300 + 256 tokens and answers as a cold run does.
 #[test]
 fn a_shared_700_token_prefix_is_not_recomputed() {
-    let all = fixtures().expect("fixtures (cargo xtask fixtures)");
+    let all = fixtures();
     let f = all
         .iter()
         .find(|f| f.name == "qwen3_5-f32")

@@ -5,15 +5,15 @@
 use mlex_generate::{Message, StreamingDetokenizer, Tokenizer};
 use mlex_testkit::*;
 
-fn smollm2() -> Option<Tokenizer> {
-    let f = fixture("smollm2-gguf")?;
+fn smollm2() -> Tokenizer {
+    let f = fixture("smollm2-gguf");
     let g = mlex_models::gguf::load(&path_of(&f)).unwrap();
-    Some(Tokenizer::from_gguf(&g.tokenizer).unwrap())
+    Tokenizer::from_gguf(&g.tokenizer).unwrap()
 }
 
 #[test]
 fn streaming_detokenization_never_splits_a_character() {
-    let Some(tok) = smollm2() else { return };
+    let tok = smollm2();
     let text = "Grüße aus Köln! 東京は晴れ。🌍🚀 naïve café — ok";
     let ids = tok.encode(text, false).unwrap();
     // Byte-level BPE spreads multi-byte characters over several tokens.
@@ -37,7 +37,7 @@ fn streaming_detokenization_never_splits_a_character() {
 
 #[test]
 fn gguf_tokenizer_knows_its_special_tokens_and_template() {
-    let Some(tok) = smollm2() else { return };
+    let tok = smollm2();
     let im_end = tok.token_to_id("<|im_end|>").expect("special token");
     assert!(
         tok.eos_ids.contains(&im_end),
@@ -66,7 +66,7 @@ fn gguf_tokenizer_knows_its_special_tokens_and_template() {
 
 #[test]
 fn tokenizer_json_directory_gives_the_same_ids() {
-    let Some(tok) = smollm2() else { return };
+    let tok = smollm2();
     let dir = tempfile::tempdir().unwrap();
     tok.save_json(&dir.path().join("tokenizer.json")).unwrap();
     let template = tok.chat_template_source().unwrap().to_owned();

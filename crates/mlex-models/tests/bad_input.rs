@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// A writable copy of a fixture directory.
-fn copy_fixture(name: &str) -> Option<(tempfile::TempDir, PathBuf)> {
-    let f = fixture(name)?;
+fn copy_fixture(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let f = fixture(name);
     let src = path_of(&f);
     let dir = tempfile::tempdir().unwrap();
     let dst = dir.path().join(name);
@@ -19,7 +19,7 @@ fn copy_fixture(name: &str) -> Option<(tempfile::TempDir, PathBuf)> {
         let e = e.unwrap();
         std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
     }
-    Some((dir, dst))
+    (dir, dst)
 }
 
 fn load_err(path: &Path) -> Error {
@@ -40,9 +40,7 @@ fn rewrite_weights(path: &Path, f: impl FnOnce(&mut HashMap<String, Array>)) {
 
 #[test]
 fn truncated_and_corrupt_safetensors_name_the_file() {
-    let Some((_d, dir)) = copy_fixture("llama-f32") else {
-        return;
-    };
+    let (_d, dir) = copy_fixture("llama-f32");
     let file = dir.join("model.safetensors");
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
@@ -61,9 +59,7 @@ fn truncated_and_corrupt_safetensors_name_the_file() {
 
 #[test]
 fn missing_misshaped_and_unexpected_tensors_are_named() {
-    let Some((_d, dir)) = copy_fixture("llama-f32") else {
-        return;
-    };
+    let (_d, dir) = copy_fixture("llama-f32");
     rewrite_weights(&dir, |t| {
         t.remove("model.layers.1.mlp.up_proj.weight");
     });
@@ -71,9 +67,7 @@ fn missing_misshaped_and_unexpected_tensors_are_named() {
         Error::MissingTensor { name, .. } => assert_eq!(name, "model.layers.1.mlp.up_proj.weight"),
         e => panic!("expected a missing tensor, got {e}"),
     }
-    let Some((_d, dir)) = copy_fixture("llama-f32") else {
-        return;
-    };
+    let (_d, dir) = copy_fixture("llama-f32");
     rewrite_weights(&dir, |t| {
         let w = t["model.layers.0.self_attn.k_proj.weight"].clone();
         let flat = mlx_rs::ops::reshape(&w, &[-1]).unwrap();
@@ -88,9 +82,7 @@ fn missing_misshaped_and_unexpected_tensors_are_named() {
         "{e}"
     );
     assert!(e.contains("model.safetensors"), "{e}");
-    let Some((_d, dir)) = copy_fixture("llama-f32") else {
-        return;
-    };
+    let (_d, dir) = copy_fixture("llama-f32");
     rewrite_weights(&dir, |t| {
         t.insert(
             "model.layers.0.surprise.weight".into(),
@@ -106,9 +98,7 @@ fn missing_misshaped_and_unexpected_tensors_are_named() {
 
 #[test]
 fn config_errors_name_the_file_and_key() {
-    let Some((_d, dir)) = copy_fixture("llama-f32") else {
-        return;
-    };
+    let (_d, dir) = copy_fixture("llama-f32");
     let cfg = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg).unwrap();
     let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -142,9 +132,7 @@ fn config_errors_name_the_file_and_key() {
 
 #[test]
 fn a_missing_shard_is_named() {
-    let Some((_d, dir)) = copy_fixture("llama-f32-sharded") else {
-        return;
-    };
+    let (_d, dir) = copy_fixture("llama-f32-sharded");
     let shard = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -160,9 +148,7 @@ fn a_missing_shard_is_named() {
 
 #[test]
 fn truncated_gguf_names_the_file() {
-    let Some(f) = fixture("gguf-q4_0") else {
-        return;
-    };
+    let f = fixture("gguf-q4_0");
     let bytes = std::fs::read(path_of(&f)).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("cut.gguf");
@@ -292,12 +278,8 @@ fn malformed_toml_architectures_are_named() {
 fn a_toml_hybrid_runs_without_rust_code() {
     // Qwen3-Next weights served by a TOML-defined model_type that spells
     // out the layer pattern: the result must equal mlx-lm's reference.
-    let Some(f) = fixture("qwen3_next-f32") else {
-        return;
-    };
-    let Some((_d, dir)) = copy_fixture("qwen3_next-f32") else {
-        return;
-    };
+    let f = fixture("qwen3_next-f32");
+    let (_d, dir) = copy_fixture("qwen3_next-f32");
     let cfg = dir.join("config.json");
     let mut v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
@@ -343,12 +325,8 @@ fn qwen3_5_text_serves_a_flat_text_only_checkpoint() {
     // The qwen3_5 fixture rewritten as a text-only Hugging Face checkpoint:
     // flat config with model_type qwen3_5_text, weights under `model.` and
     // `lm_head`. Same weights, so mlx-lm's qwen3_5 reference applies.
-    let Some(f) = fixture("qwen3_5-f32") else {
-        return;
-    };
-    let Some((_d, dir)) = copy_fixture("qwen3_5-f32") else {
-        return;
-    };
+    let f = fixture("qwen3_5-f32");
+    let (_d, dir) = copy_fixture("qwen3_5-f32");
     let cfg = dir.join("config.json");
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();

@@ -3,9 +3,9 @@
 //!
 //! Fixtures are made by `cargo xtask fixtures` (mlx-lm, the Python
 //! reference, and the NumPy DharaAR reference) into `target/fixtures`
-//! (override with `MLEX_FIXTURES`). When they are missing, a test prints
-//! how to make them and passes only if `MLEX_REQUIRE_FIXTURES` is unset;
-//! `cargo xtask test` sets it, so CI can never skip them.
+//! (override with `MLEX_FIXTURES`). When they are missing, a test that
+//! needs them fails with the command that makes them: none passes by
+//! skipping (`xtask/tests/repository_rules.rs` keeps it so).
 #![allow(missing_docs)]
 
 use mlex_core::model::{Model, ModelCache};
@@ -39,50 +39,42 @@ pub fn fixtures_dir() -> PathBuf {
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/fixtures"))
 }
 
-/// All fixtures of both manifests, or `None` (after saying why) when they
-/// have not been generated and that is allowed.
-pub fn fixtures() -> Option<Vec<Fixture>> {
+/// All fixtures of both manifests. Missing fixtures fail the test with the
+/// command that makes them: a test that needs a fixture never passes by
+/// skipping.
+pub fn fixtures() -> Vec<Fixture> {
     let dir = fixtures_dir();
     let mut all = Vec::new();
     for m in ["manifest.json", "dhara-manifest.json"] {
         let path = dir.join(m);
-        match std::fs::read_to_string(&path) {
-            Ok(text) => {
-                let parsed: Manifest = match serde_json::from_str(&text) {
-                    Ok(v) => v,
-                    Err(_) => {
-                        // dhara's manifest is a bare list
-                        let list: Vec<Fixture> = serde_json::from_str(&text)
-                            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                        Manifest { fixtures: list }
-                    }
-                };
-                all.extend(parsed.fixtures);
-            }
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|_| {
+            panic!(
+                "fixtures missing: {} (run `cargo xtask fixtures`, or `cargo xtask test`)",
+                path.display()
+            )
+        });
+        let parsed: Manifest = match serde_json::from_str(&text) {
+            Ok(v) => v,
             Err(_) => {
-                let msg = format!(
-                    "fixtures missing: {} (run `cargo xtask fixtures`)",
-                    path.display()
-                );
-                if std::env::var_os("MLEX_REQUIRE_FIXTURES").is_some() {
-                    panic!("{msg}");
-                }
-                eprintln!("SKIPPED: {msg}");
-                return None;
+                // dhara's manifest is a bare list
+                let list: Vec<Fixture> = serde_json::from_str(&text)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                Manifest { fixtures: list }
             }
-        }
+        };
+        all.extend(parsed.fixtures);
     }
-    Some(all)
+    all
 }
 
-/// The fixture called `name`.
-pub fn fixture(name: &str) -> Option<Fixture> {
-    let all = fixtures()?;
-    Some(
-        all.into_iter()
-            .find(|f| f.name == name)
-            .unwrap_or_else(|| panic!("no fixture `{name}` in the manifest")),
-    )
+/// The fixture called `name` (see [`fixtures`]).
+pub fn fixture(name: &str) -> Fixture {
+    fixtures()
+        .into_iter()
+        .find(|f| f.name == name)
+        .unwrap_or_else(|| {
+            panic!("no fixture `{name}` in the manifest (run `cargo xtask fixtures`)")
+        })
 }
 
 pub fn path_of(f: &Fixture) -> PathBuf {

@@ -230,3 +230,35 @@ fn quantizing_rebuilds_the_traces() {
     assert!(d > 1e-4, "4-bit weights change the logits");
     assert!(mlex_models::quantize::quantize(&q, arch.as_ref(), registry, 64, 4).is_err());
 }
+
+/// An MLX exception inside a forward pass and inside a compiled segment
+/// (float token ids: the embedding's gather throws) comes back as an error,
+/// and MLX keeps working afterwards.
+#[test]
+fn mlx_exceptions_in_a_forward_pass_and_a_compiled_segment_are_errors() {
+    let f = fixture("qwen3_5-f32");
+    let registry = mlex_models::registry().unwrap();
+    let loaded = mlex_models::load::load(path_of(&f).to_str().unwrap(), registry).unwrap();
+    let model = &loaded.model;
+    let bad = Array::from_slice(&[1.5f32, 2.5], &[1, 2]);
+    let mut cache = model.make_cache(1).unwrap();
+    let e = model
+        .forward(&bad, &mut cache)
+        .and_then(|y| Ok(y.eval()?))
+        .expect_err("float token ids in a forward pass");
+    assert!(!e.to_string().is_empty());
+    let mut dec = SegmentedDecoder::new(model);
+    let mut cache = model.make_cache(1).unwrap();
+    let one_bad = Array::from_slice(&[1.5f32], &[1, 1]);
+    let e = dec
+        .step(model, &one_bad, &mut cache)
+        .and_then(|y| Ok(y.eval()?))
+        .expect_err("float token ids in a compiled segment");
+    assert!(!e.to_string().is_empty());
+    // Both paths still work.
+    let good = Array::from_slice(&[1i32], &[1, 1]);
+    let mut cache = model.make_cache(1).unwrap();
+    dec.step(model, &good, &mut cache).unwrap().eval().unwrap();
+    let mut cache = model.make_cache(1).unwrap();
+    model.forward(&good, &mut cache).unwrap().eval().unwrap();
+}

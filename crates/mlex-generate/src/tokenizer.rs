@@ -41,6 +41,21 @@ fn token_text(v: Option<&Value>) -> Option<String> {
     }
 }
 
+/// Runs `f`, turning a panic inside it into its message, with the default
+/// panic report silenced meanwhile (this is a bad input, not a bug of ours).
+fn without_panic<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    out.map_err(|p| {
+        p.downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panicked".into())
+    })
+}
+
 fn read_json(path: &Path) -> Result<Option<Value>> {
     if !path.is_file() {
         return Ok(None);
@@ -68,11 +83,17 @@ impl Tokenizer {
                 ),
             ));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::BadWeightsFile {
+        let bad = |message: String| Error::BadWeightsFile {
             file: path.clone(),
             format: "tokenizer.json",
-            message: e.to_string(),
-        })?;
+            message,
+        };
+        // The tokenizers crate panics on some malformed files (0.22.2:
+        // `.expect("Helper")` deserialising a bad `decoder`; found by the
+        // `tokenizer_json` fuzz target): a panic there is a bad file too.
+        let inner = without_panic(|| tokenizers::Tokenizer::from_file(&path))
+            .map_err(|p| bad(format!("the tokenizers crate failed on it: {p}")))?
+            .map_err(|e| bad(e.to_string()))?;
         let cfg = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
         let mut eos_ids = BTreeSet::new();
         if let Some(t) = token_text(cfg.get("eos_token")) {

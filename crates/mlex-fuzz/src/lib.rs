@@ -1,0 +1,93 @@
+//! What mlex reads from files a user hands it, one harness per format, each
+//! taking arbitrary bytes and required never to panic: bad input is an
+//! error (`mlex_core::Error`) naming the file. The cargo-fuzz targets in
+//! `fuzz/` (nightly) call these; `tests/corpus.rs` replays every input
+//! saved under `fuzz/corpus/<target>/` and `fuzz/regressions/<target>/` on
+//! stable, so whatever fuzzing found stays fixed.
+
+#![warn(missing_docs)]
+
+use mlex_generate::{ChatTemplate, Message, Tokenizer};
+use std::path::{Path, PathBuf};
+
+/// A scratch file holding `data`, removed on drop.
+struct Scratch {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+fn scratch(name: &str, data: &[u8]) -> Scratch {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let path = dir.path().join(name);
+    std::fs::write(&path, data).expect("a scratch file");
+    Scratch { _dir: dir, path }
+}
+
+/// A harness: arbitrary bytes in, no panic out.
+pub type Harness = fn(&[u8]);
+
+/// Every harness, by target name.
+pub const TARGETS: &[(&str, Harness)] = &[
+    ("gguf_header", gguf_header),
+    ("safetensors_header", safetensors_header),
+    ("config_json", config_json),
+    ("tokenizer_json", tokenizer_json),
+    ("chat_template", chat_template),
+];
+
+/// GGUF header and metadata validation (`mlex_models::gguf::validate_gguf`).
+pub fn gguf_header(data: &[u8]) {
+    let f = scratch("model.gguf", data);
+    let _ = mlex_models::gguf::validate_gguf(&f.path);
+}
+
+/// Safetensors header validation (`mlex_core::weights::validate_safetensors`).
+pub fn safetensors_header(data: &[u8]) {
+    let f = scratch("model.safetensors", data);
+    let _ = mlex_core::weights::validate_safetensors(&f.path);
+}
+
+/// `config.json` parsing and every registered architecture's plan for it.
+pub fn config_json(data: &[u8]) {
+    let f = scratch("config.json", data);
+    let Ok(config) = mlex_core::config::ModelConfig::from_file(&f.path) else {
+        return;
+    };
+    let Ok(registry) = mlex_models::registry() else {
+        return;
+    };
+    for entry in registry.list() {
+        if entry.what == "architecture" {
+            if let Ok(arch) = registry.architecture(&entry.name) {
+                let _ = arch.plan(&config);
+            }
+        }
+    }
+}
+
+/// `tokenizer.json` loading (`Tokenizer::from_dir`) and a round trip.
+pub fn tokenizer_json(data: &[u8]) {
+    let f = scratch("tokenizer.json", data);
+    let dir: &Path = f.path.parent().expect("in a directory");
+    if let Ok(t) = Tokenizer::from_dir(dir) {
+        if let Ok(ids) = t.encode("Hello, world! Grüße 東京", false) {
+            let _ = t.decode(&ids);
+        }
+    }
+}
+
+/// Chat-template compilation and rendering of a short conversation.
+pub fn chat_template(data: &[u8]) {
+    let Ok(source) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(t) = ChatTemplate::new(source, Some("<s>".into()), Some("</s>".into())) {
+        let messages = [
+            Message::new("system", "be brief"),
+            Message::new("user", "hi"),
+            Message::new("assistant", "hello"),
+            Message::new("user", "and?"),
+        ];
+        let _ = t.render(&messages, true);
+    }
+}

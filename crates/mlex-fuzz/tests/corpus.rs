@@ -1,0 +1,41 @@
+//! Every saved fuzzing input, replayed on stable: the seeds in
+//! `fuzz/corpus/<target>/` and what fuzzing found in
+//! `fuzz/regressions/<target>/`. A harness that panics fails the test.
+
+use std::path::{Path, PathBuf};
+
+fn inputs(target: &str) -> Vec<PathBuf> {
+    let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
+    let mut out = Vec::new();
+    for dir in ["corpus", "regressions"] {
+        if let Ok(entries) = std::fs::read_dir(fuzz.join(dir).join(target)) {
+            out.extend(entries.map(|e| e.unwrap().path()).filter(|p| p.is_file()));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn every_saved_input_is_handled_without_a_panic() {
+    for (target, harness) in mlex_fuzz::TARGETS {
+        let files = inputs(target);
+        assert!(!files.is_empty(), "no inputs for `{target}` in fuzz/corpus");
+        for f in files {
+            let data = std::fs::read(&f).unwrap();
+            let run = std::panic::catch_unwind(|| harness(&data));
+            assert!(run.is_ok(), "{target} panicked on {}", f.display());
+        }
+    }
+}
+
+/// The seeds are valid inputs: the harnesses' happy paths run too.
+#[test]
+fn the_seeds_are_accepted() {
+    let seed = |t: &str, n: &str| {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../fuzz/corpus/{t}/{n}"))
+    };
+    mlex_models::gguf::validate_gguf(&seed("gguf_header", "tiny.gguf")).unwrap();
+    mlex_core::weights::validate_safetensors(&seed("safetensors_header", "tiny.safetensors"))
+        .unwrap();
+}

@@ -708,3 +708,43 @@ fn prompt_cache_dir_reuses_a_prefix_across_runs() {
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains(&name) && e.contains("another model"), "{e}");
 }
+
+/// The options added for prefill and prefix reuse reject bad values with
+/// an error naming the option or the path.
+#[test]
+fn prefill_and_prompt_cache_options_reject_bad_values() {
+    let p = fixture_path("llama-f32");
+    let out = mlex()
+        .args([
+            "generate",
+            "--prompt-ids",
+            "1,2",
+            "--prefill-chunk",
+            "0",
+            "--model",
+        ])
+        .arg(&p)
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(e.contains("--prefill-chunk"), "{e}");
+    // A file where the prompt-cache directory should be.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let out = mlex()
+        .args(["generate", "--prompt-ids", "1,2", "--prompt-cache"])
+        .arg(&file)
+        .arg("--model")
+        .arg(&p)
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(e.contains("not-a-dir") && !e.contains("panicked"), "{e}");
+}

@@ -74,7 +74,13 @@ impl Dispatch {
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
             {
-                d.gated_delta_chunk = (v >= 2 && v.is_power_of_two()).then_some(v);
+                match v {
+                    0 => d.gated_delta_chunk = None,
+                    v if v >= 2 && v.is_power_of_two() => d.gated_delta_chunk = Some(v),
+                    v => eprintln!(
+                        "mlex: MLEX_GATED_DELTA_CHUNK={v} is neither 0 nor a power of two; ignored"
+                    ),
+                }
             }
             if std::env::var("MLEX_FUSED_DECODE").is_ok_and(|v| v == "0") {
                 d.fused_decode = false;

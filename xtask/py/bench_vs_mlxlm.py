@@ -114,28 +114,34 @@ def run_engine(cmd: list[str], timeout: float, env=None) -> dict:
         "decode_tok_s": float(result["decode_tok_s"]),
         "peak_memory_bytes": int(result.get("peak_memory_bytes") or 0),
         "generated_tokens": result.get("generated_tokens"),
+        "agg_tok_s": float(result.get("agg_tok_s") or 0.0),
         "raw": result,
         "wall_s": wall,
     }
 
 
-def ours_cmd(a, model: Path, prompt_len: int, quant: str) -> list[str]:
+def ours_cmd(a, model: Path, prompt_len: int, quant: str, batch: int | None = None) -> list[str]:
     cmd = [
         str(a.mlex), "bench", "--model", str(model),
         "--prompt-len", str(prompt_len), "--gen", str(a.gen), "--repeats", str(a.repeats),
         "--format", "json", "--device", a.device,
     ]
+    if batch is not None:
+        cmd += ["--batch", str(batch)]
     if quant != "bf16":
         cmd += ["--quantize", quant, "--group-size", "64"]
     return cmd + a.mlex_arg
 
 
-def theirs_cmd(a, model: Path, prompt_len: int, quant: str) -> list[str]:
+def theirs_cmd(a, model: Path, prompt_len: int, quant: str, batch: int | None = None) -> list[str]:
+    script = a.mlxlm_bench if batch is None else a.mlxlm_batch_bench
     cmd = [
-        a.python, str(a.mlxlm_bench), str(model),
+        a.python, str(script), str(model),
         "--prompt-len", str(prompt_len), "--gen", str(a.gen), "--repeats", str(a.repeats),
         "--device", a.device,
     ]
+    if batch is not None:
+        cmd += ["--batch", str(batch)]
     if quant != "bf16":
         cmd += ["--quantize", quant]
     return cmd
@@ -151,14 +157,18 @@ def summarize(runs: list[dict]) -> dict:
     by = {"mlex": {}, "mlx-lm": {}}
     for r in runs:
         by[r["engine"]][r["pair"]] = r
-    ratios = {"prefill": [], "decode": []}
+    ratios = {"prefill": [], "decode": [], "agg": []}
     for pair, o in by["mlex"].items():
         t = by["mlx-lm"].get(pair)
         if o["ok"] and t and t["ok"]:
             for k in ratios:
                 if t[f"{k}_tok_s"] > 0:
                     ratios[k].append(o[f"{k}_tok_s"] / t[f"{k}_tok_s"])
-    s = {"ratio_prefill": spread(ratios["prefill"]), "ratio_decode": spread(ratios["decode"])}
+    s = {
+        "ratio_prefill": spread(ratios["prefill"]),
+        "ratio_decode": spread(ratios["decode"]),
+        "ratio_agg": spread(ratios["agg"]),
+    }
     for eng, rs in by.items():
         ok = [r for r in rs.values() if r["ok"]]
         s[eng] = {
@@ -166,6 +176,7 @@ def summarize(runs: list[dict]) -> dict:
             "runs": len(rs),
             "prefill_tok_s": spread([r["prefill_tok_s"] for r in ok]),
             "decode_tok_s": spread([r["decode_tok_s"] for r in ok]),
+            "agg_tok_s": spread([r["agg_tok_s"] for r in ok if r["agg_tok_s"] > 0]),
             "peak_memory_bytes": max((r["peak_memory_bytes"] for r in ok), default=None),
             "failures": sorted({r["status"] for r in rs.values() if not r["ok"]}),
         }
@@ -191,7 +202,51 @@ def fmt_mem(b) -> str:
     return f"{b / 1e6:,.0f}" if b >= 1e8 else f"{b / 1e6:.1f}"
 
 
+def markdown_batch(result: dict) -> str:
+    m = result["meta"]
+    env = m.get("mlex_env") or {}
+    lines = [
+        f"mlex `bench --batch B` vs mlx-lm `BatchGenerator`, {m['scale']} shapes, device {m['device']}, "
+        f"{m['pairs']} pairs (mlex then mlx-lm, each a fresh process), B prompts of {m['prompt_len']} random ids, "
+        f"{m['gen']} greedy tokens each, wall time from submission to the last token; "
+        f"{m['mlex_version']} on mlx {env.get('mlx_version', '?')} ({env.get('backend', '?')}"
+        f"{', ' + env['gpu_name'] if env.get('gpu_name') else ''}); "
+        f"mlx-lm {m['mlx_lm_version']} on mlx {m['mlx_version']}; {m['host']}, {m['date']}.",
+        "",
+        "Ratios are mlex / mlx-lm: median over pairs (min–max); tok/s: median over runs; "
+        "peak memory: the largest over runs, MB.",
+        "",
+        "| shape | weights | batch | ok pairs | aggregate mlex / mlx-lm | mlex tok/s | mlx-lm tok/s "
+        "| prefill mlex / mlx-lm | decode mlex / mlx-lm | mlex peak MB | mlx-lm peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for c in result["cases"]:
+        s = c["summary"]
+        o, t = s["mlex"], s["mlx-lm"]
+        ok_pairs = s["ratio_agg"]["n"] if s["ratio_agg"] else 0
+        weights = "bf16" if c["quant"] == "bf16" else f"{c['quant']}-bit"
+        lines.append(
+            f"| {c['shape']} | {weights} | {c['batch']} | {ok_pairs}/{c['pairs']} "
+            f"| {fmt_ratio(s['ratio_agg'])} | {fmt_rate(o['agg_tok_s'])} | {fmt_rate(t['agg_tok_s'])} "
+            f"| {fmt_ratio(s['ratio_prefill'])} | {fmt_ratio(s['ratio_decode'])} "
+            f"| {fmt_mem(o['peak_memory_bytes'])} | {fmt_mem(t['peak_memory_bytes'])} |"
+        )
+        for eng in ("mlex", "mlx-lm"):
+            if s[eng]["failures"]:
+                e = s[eng]
+                notes.append(f"- {c['shape']} {weights} batch {c['batch']}: {eng} "
+                             f"{e['runs'] - e['runs_ok']} of {e['runs']} runs {'/'.join(e['failures'])}")
+    if result.get("skipped"):
+        notes.append(f"- not run (deadline): {', '.join(result['skipped'])}")
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(result: dict) -> str:
+    if result["meta"].get("batches"):
+        return markdown_batch(result)
     m = result["meta"]
     env = m.get("mlex_env") or {}
     lines = [
@@ -295,6 +350,10 @@ def main(argv=None) -> int:
     p.add_argument("--deadline", type=float, help="start no run after this many seconds; the rest is reported as not run")
     p.add_argument("--python", default=sys.executable, help="python with mlx-lm for the reference (default: this one)")
     p.add_argument("--mlxlm-bench", type=Path, default=HERE / "mlxlm_bench.py", help="the reference's bench script")
+    p.add_argument("--mlxlm-batch-bench", type=Path, default=HERE / "mlxlm_batch_bench.py",
+                   help="the reference's batched bench script (with --batches)")
+    p.add_argument("--batches", help="comma-separated batch sizes: compare `mlex bench --batch B` with mlx-lm's "
+                   "BatchGenerator instead of single sequences (prompt length: the first of --prompt-lens, or 128)")
     p.add_argument(
         "--mlex-arg",
         action="append",
@@ -344,21 +403,27 @@ def main(argv=None) -> int:
         "cases": [],
         "skipped": [],
     }
-    cases = [
-        (s, q, n)
-        for s in shapes
-        for q in quants
-        for n in (fixed_lens or default_prompt_lens(s, a.scale))
-    ]
+    batches = [int(x) for x in parse_list(a.batches, "batch size")] if a.batches else None
+    if batches:
+        plen = (fixed_lens or [128])[0]
+        result["meta"].update(batches=batches, prompt_len=plen)
+        cases = [(s, q, plen, b) for s in shapes for q in quants for b in batches]
+    else:
+        cases = [
+            (s, q, n, None)
+            for s in shapes
+            for q in quants
+            for n in (fixed_lens or default_prompt_lens(s, a.scale))
+        ]
     start = time.monotonic()
-    for i, (shape, quant, prompt_len) in enumerate(cases):
-        label = f"{shape} {quant} p{prompt_len}"
+    for i, (shape, quant, prompt_len, batch) in enumerate(cases):
+        label = f"{shape} {quant} p{prompt_len}" + (f" b{batch}" if batch else "")
         model = a.models / f"{shape}-{a.scale}"
         runs = []
         for pair in range(a.pairs):
             for engine, cmd in (
-                ("mlex", ours_cmd(a, model, prompt_len, quant)),
-                ("mlx-lm", theirs_cmd(a, model, prompt_len, quant)),
+                ("mlex", ours_cmd(a, model, prompt_len, quant, batch)),
+                ("mlx-lm", theirs_cmd(a, model, prompt_len, quant, batch)),
             ):
                 timeout = a.timeout
                 if a.deadline is not None:
@@ -373,7 +438,8 @@ def main(argv=None) -> int:
                 runs.append(r)
                 if r["ok"]:
                     msg = (f"prefill {r['prefill_tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.1f} tok/s, "
-                           f"peak {r['peak_memory_bytes'] / 1e6:.1f} MB")
+                           + (f"aggregate {r['agg_tok_s']:.1f} tok/s, " if batch else "")
+                           + f"peak {r['peak_memory_bytes'] / 1e6:.1f} MB")
                 else:
                     tail = (r.get("stderr_tail") or "").strip().splitlines()[-1:] or [""]
                     msg = f"{r['status'].upper()}: {r['error']} {tail[0][:200]}"
@@ -386,6 +452,7 @@ def main(argv=None) -> int:
                 "shape": shape,
                 "quant": quant,
                 "prompt_len": prompt_len,
+                "batch": batch,
                 "gen": a.gen,
                 "pairs": a.pairs,
                 "model": str(model),

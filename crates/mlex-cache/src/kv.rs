@@ -70,6 +70,19 @@ fn kv_tensors(keys: &Option<Array>, values: &Option<Array>, n: usize) -> BTreeMa
     arrays
 }
 
+/// Keeps batch rows `rows` of a key/value pair.
+fn select_kv_rows(
+    keys: &mut Option<Array>,
+    values: &mut Option<Array>,
+    rows: &[i32],
+) -> Result<()> {
+    let idx = Array::from_slice(rows, &[rows.len() as i32]);
+    for a in [keys, values].into_iter().flatten() {
+        *a = a.take_axis(&idx, 0)?;
+    }
+    Ok(())
+}
+
 /// Pre-allocated KV cache, grown [`KV_STEP`] tokens at a time.
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
@@ -181,6 +194,9 @@ impl Cache for KvCache {
     fn box_clone(&self) -> Box<dyn Cache> {
         Box::new(self.clone())
     }
+    fn select_rows(&mut self, rows: &[i32]) -> Result<()> {
+        select_kv_rows(&mut self.keys, &mut self.values, rows)
+    }
     fn to_tensors(&self) -> CacheTensors {
         CacheTensors {
             arrays: kv_tensors(&self.keys, &self.values, self.offset),
@@ -267,6 +283,9 @@ impl Cache for ConcatKvCache {
     }
     fn box_clone(&self) -> Box<dyn Cache> {
         Box::new(self.clone())
+    }
+    fn select_rows(&mut self, rows: &[i32]) -> Result<()> {
+        select_kv_rows(&mut self.keys, &mut self.values, rows)
     }
     fn to_tensors(&self) -> CacheTensors {
         CacheTensors {

@@ -4,17 +4,21 @@
 //!
 //! - [`kv::KvCache`]: KV pre-allocated in 256-token steps, with trim;
 //! - [`kv::RotatingKvCache`]: sliding window keeping the first N tokens;
+//! - [`batch::BatchKvCache`]: the left-padded KV of a batch of sequences
+//!   at different positions (continuous batching);
 //! - [`state::StateCache`]: fixed-size state (gated-delta conv window +
 //!   f32 recurrent state, Mamba2 conv + SSM state, canon conv windows);
 //! - [`prompt::PromptCache`]: prefix reuse that works for hybrids through
 //!   snapshots of recurrent state, with LRU bounds and safetensors files.
 #![warn(missing_docs)]
 
+pub mod batch;
 pub mod kv;
 pub mod prompt;
 pub mod restore;
 pub mod state;
 
+pub use batch::BatchKvCache;
 pub use kv::{ConcatKvCache, KvCache, RotatingKvCache};
 pub use prompt::{PrefixHit, PromptCache, StateSnapshot};
 pub use restore::cache_from_tensors;

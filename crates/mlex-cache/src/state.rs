@@ -13,7 +13,7 @@
 
 use mlex_core::cache::{Cache, CacheTensors};
 use mlex_core::error::{Error, Result};
-use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::{ops, Array, Dtype};
 use std::collections::BTreeMap;
 
@@ -192,6 +192,48 @@ impl Cache for StateCache {
     }
     fn box_clone(&self) -> Box<dyn Cache> {
         Box::new(self.clone())
+    }
+    fn select_rows(&mut self, rows: &[i32]) -> Result<()> {
+        let idx = Array::from_slice(rows, &[rows.len() as i32]);
+        for a in &mut self.arrays {
+            *a = a.take_axis(&idx, 0)?;
+        }
+        Ok(())
+    }
+    fn write_row(&mut self, row: usize, from: &dyn Cache) -> Result<()> {
+        let src = from.state();
+        if from.kind() != self.kind || src.len() != self.arrays.len() {
+            return Err(Error::Cache(format!(
+                "a `{}` batch row cannot take a `{}` cache",
+                self.kind,
+                from.kind()
+            )));
+        }
+        let r = row as i32;
+        for (dst, s) in self.arrays.iter_mut().zip(&src) {
+            if s.shape()[0] != 1 || s.shape()[1..] != dst.shape()[1..] || r >= dst.shape()[0] {
+                return Err(Error::Cache(format!(
+                    "{} state {:?} does not fit row {row} of {:?}",
+                    self.kind,
+                    s.shape(),
+                    dst.shape()
+                )));
+            }
+            // A fresh array: the old one may be shared with a snapshot.
+            let mut next = dst.clone();
+            next.try_index_mut(r..r + 1, s)?;
+            *dst = next;
+        }
+        Ok(())
+    }
+    fn add_rows(&mut self, n: usize) -> Result<()> {
+        for a in &mut self.arrays {
+            let mut shape = a.shape().to_vec();
+            shape[0] = n as i32;
+            let z = ops::zeros_dtype(&shape, a.dtype())?;
+            *a = ops::concatenate(&[&*a, &z], 0)?;
+        }
+        Ok(())
     }
     fn to_tensors(&self) -> CacheTensors {
         CacheTensors {

@@ -43,7 +43,8 @@ pub enum Command {
     #[command(after_help = "Examples:
   mlex generate --model ~/.cache/mlex/models/SmolLM2-135M-Instruct.Q4_1.gguf --prompt \"What is the capital of France?\"
   mlex generate --model ./my-model --prompt-ids 1,2,3 --max-tokens 32 --temp 0 --format json
-  mlex generate --model Qwen/Qwen3-0.6B --prompt \"Write a haiku\" --temp 0.7 --top-p 0.9 --seed 1")]
+  mlex generate --model Qwen/Qwen3-0.6B --prompt \"Write a haiku\" --temp 0.7 --top-p 0.9 --seed 1
+  mlex generate --model ./my-model --prompts-file prompts.txt --batch 16 --format json")]
     Generate(GenerateArgs),
     /// Chat interactively (multi-turn; /reset and /quit); reads piped stdin too.
     #[command(after_help = "Examples:
@@ -53,7 +54,8 @@ pub enum Command {
     /// Measure prefill and decode speed and peak memory.
     #[command(after_help = "Examples:
   mlex bench --model ./my-model --prompt-len 128 --gen 256
-  mlex bench --model ./my-model --prompt-len 512 --gen 128 --no-compile --format json")]
+  mlex bench --model ./my-model --prompt-len 512 --gen 128 --no-compile --format json
+  mlex bench --model ./my-model --prompt-len 128 --gen 128 --batch 32")]
     Bench(BenchArgs),
     /// Show a model's architecture, layer plan, segment schedule and weights.
     #[command(after_help = "Examples:
@@ -145,8 +147,21 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt text ("-" reads stdin).
-    #[arg(long, short, conflicts_with = "prompt_ids")]
+    #[arg(long, short, conflicts_with_all = ["prompt_ids", "prompts_file"])]
     pub prompt: Option<String>,
+    /// Many prompts, one per line, decoded together (see --batch): text, or
+    /// token ids with --ids, or a JSON object {"prompt"|"ids", "max_tokens",
+    /// "temp", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
+    /// "stop"} whose options override the command line's. One JSON line per
+    /// prompt comes out as each finishes, with its `index` (line, from 0).
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt_ids")]
+    pub prompts_file: Option<PathBuf>,
+    /// With --prompts-file: lines are token ids (1,2,3 or 1 2 3), not text.
+    #[arg(long, requires = "prompts_file")]
+    pub ids: bool,
+    /// With --prompts-file: at most N sequences in flight.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch: u32,
     /// The prompt as token ids: 1,2,3 (no template, no tokenizer needed).
     #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
@@ -158,10 +173,10 @@ pub struct GenerateArgs {
     pub no_chat_template: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Output format.
     /// Keep the prompt cache in DIR across runs (one file per model, written atomically).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", conflicts_with = "prompts_file")]
     pub prompt_cache: Option<std::path::PathBuf>,
+    /// Output format.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,
 }
@@ -175,10 +190,10 @@ pub struct ChatArgs {
     pub system: Option<String>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Output format: json prints one object per turn.
     /// Keep the prompt cache in DIR across runs (one file per model, written atomically).
     #[arg(long, value_name = "DIR")]
     pub prompt_cache: Option<std::path::PathBuf>,
+    /// Output format: json prints one object per turn.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,
 }
@@ -196,6 +211,10 @@ pub struct BenchArgs {
     /// Timed repetitions (the best is reported).
     #[arg(long, allow_negative_numbers = true, default_value_t = 1)]
     pub repeats: usize,
+    /// Decode N random prompts together (continuous batching) and report
+    /// aggregate prefill, decode and overall tok/s.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch: Option<u32>,
     /// Output format.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,

@@ -748,3 +748,164 @@ fn prefill_and_prompt_cache_options_reject_bad_values() {
     let e = String::from_utf8_lossy(&out);
     assert!(e.contains("not-a-dir") && !e.contains("panicked"), "{e}");
 }
+
+/// The JSON lines of a `--prompts-file` run, by `index`.
+fn lines_by_index(out: &[u8]) -> std::collections::BTreeMap<u64, Value> {
+    String::from_utf8_lossy(out)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap();
+            (v["index"].as_u64().unwrap(), v)
+        })
+        .collect()
+}
+
+fn single_greedy(model: &std::path::Path, ids: &str, max_tokens: &str) -> Value {
+    let out = mlex()
+        .args(["generate", "--format", "json", "--max-tokens", max_tokens])
+        .args(["--prompt-ids", ids, "--model"])
+        .arg(model)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    last_json(&out)["token_ids"].clone()
+}
+
+#[test]
+fn a_prompts_file_decodes_together_and_fails_only_its_bad_lines() {
+    // A copy with a context of 24 tokens, so one line can exceed it.
+    let src = fixture_path("qwen3-f32");
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    let cfg = dir.path().join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["max_position_embeddings"] = 24.into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let long: Vec<String> = (1..=30).map(|i| i.to_string()).collect();
+    let lines = [
+        "1,2,3,4,5".to_owned(),
+        String::new(),
+        "7 8 9".to_owned(),
+        long.join(","),
+        r#"{"ids": [3, 4], "max_tokens": 3, "temp": -1}"#.to_owned(),
+        r#"{"ids": [5, 6, 7], "bogus": true}"#.to_owned(),
+        r#"{"ids": [10, 11, 12, 13, 14, 15], "max_tokens": 4}"#.to_owned(),
+        "1,2,x".to_owned(),
+        "20,21,22,23,24,25,26,27,28".to_owned(),
+    ];
+    let file = dir.path().join("prompts.txt");
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let out = mlex()
+        .args(["generate", "--ids", "--batch", "2", "--max-tokens", "6"])
+        .args(["--format", "json", "--prompts-file"])
+        .arg(&file)
+        .arg("--model")
+        .arg(dir.path())
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    let got = lines_by_index(&out.stdout);
+    assert_eq!(got.len(), lines.len(), "one line per prompt");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("5 of 9 prompts"), "{stderr} {got:?}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let name = file.display().to_string();
+    for (i, key) in [
+        (1, "empty"),
+        (3, "exceeds the context of 24"),
+        (4, "--temp"),
+        (5, "bogus"),
+        (7, "`x` is not a token id"),
+    ] {
+        let e = got[&i]["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("line {i}: {}", got[&i]));
+        assert!(e.contains(key), "line {i}: {e}");
+        assert!(
+            e.contains(&format!("{name}:{}", i + 1)),
+            "line {i} names its line: {e}"
+        );
+    }
+    // The good lines equal one-at-a-time greedy runs.
+    for (i, ids, n) in [
+        (0, "1,2,3,4,5", "6"),
+        (2, "7,8,9", "6"),
+        (6, "10,11,12,13,14,15", "4"),
+        (8, "20,21,22,23,24,25,26,27,28", "6"),
+    ] {
+        let v = &got[&i];
+        assert_eq!(
+            v["token_ids"],
+            single_greedy(dir.path(), ids, n),
+            "line {i}"
+        );
+        assert_eq!(v["finish_reason"], "length", "line {i}");
+        assert!(v.get("text").is_some());
+    }
+}
+
+#[test]
+fn prompts_file_text_lines_use_the_chat_template_and_their_own_stops() {
+    let g = smollm2();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompts.txt");
+    std::fs::write(
+        &file,
+        "What is the capital of France?\n{\"prompt\": \"What is the capital of France?\", \"stop\": [\"Paris\"]}\n",
+    )
+    .unwrap();
+    let out = mlex()
+        .args([
+            "generate",
+            "--max-tokens",
+            "20",
+            "--format",
+            "json",
+            "--prompts-file",
+        ])
+        .arg(&file)
+        .arg("--model")
+        .arg(&g)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let got = lines_by_index(&out);
+    let plain = got[&0]["text"].as_str().unwrap();
+    assert!(plain.contains("Paris"), "{plain}");
+    let stopped = got[&1]["text"].as_str().unwrap();
+    assert_eq!(got[&1]["finish_reason"], "stop");
+    assert!(
+        !stopped.contains("Paris") && plain.starts_with(stopped),
+        "{stopped}"
+    );
+}
+
+#[test]
+fn bench_batch_reports_aggregate_throughput() {
+    let p = fixture_path("qwen3_5-f32");
+    let out = mlex()
+        .args(["bench", "--batch", "3", "--prompt-len", "12", "--gen", "5"])
+        .args(["--format", "json", "--model"])
+        .arg(&p)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    assert_eq!(v["batch"], 3);
+    assert_eq!(v["generated_tokens"], 15);
+    assert_eq!(v["prompt_tokens"], 36);
+    for k in ["agg_tok_s", "prefill_tok_s", "decode_tok_s", "seconds"] {
+        assert!(v[k].as_f64().unwrap() > 0.0, "{k}: {v}");
+    }
+}

@@ -39,6 +39,12 @@ pub trait KvAccess {
     /// The mask for `n` new queries against what `update_and_fetch` returns
     /// (call before the update).
     fn mask(&self, n: usize) -> Result<AttentionMask>;
+    /// Per-sequence RoPE positions of the next token, `[B]` int32, when the
+    /// sequences of a batch sit at different positions (a batched cache);
+    /// `None` when every row is at [`KvAccess::offset`].
+    fn positions(&self) -> Result<Option<Array>> {
+        Ok(None)
+    }
 }
 
 /// Serialized form of one cache: named arrays plus string metadata.
@@ -94,6 +100,41 @@ pub trait Cache: Send {
 
     /// The arrays and metadata to save this cache.
     fn to_tensors(&self) -> CacheTensors;
+
+    /// Keeps only the batch rows `rows`, in that order (the batched engine
+    /// splits a batched prefill into its sequences with this). Every array
+    /// of a cache holds the batch on axis 0. Kinds that cannot be batched
+    /// keep the default, an error naming the kind.
+    fn select_rows(&mut self, _rows: &[i32]) -> Result<()> {
+        Err(crate::error::Error::Cache(format!(
+            "a `{}` cache cannot be split into batch rows",
+            self.kind()
+        )))
+    }
+
+    /// Writes the one sequence held by `from` (a cache of the same layer
+    /// for batch 1, e.g. from that sequence's prefill) into batch row
+    /// `row`, replacing what the row held. Kinds that cannot be batched keep
+    /// the default, an error naming the kind.
+    fn write_row(&mut self, _row: usize, from: &dyn Cache) -> Result<()> {
+        Err(crate::error::Error::Cache(format!(
+            "a `{}` cache cannot take a sequence into a batch row (from a `{}` cache)",
+            self.kind(),
+            from.kind()
+        )))
+    }
+
+    /// Marks batch row `row` unused: what it computes from now on is
+    /// ignored, and must stay finite. Fixed-size state needs nothing.
+    fn free_row(&mut self, _row: usize) {}
+
+    /// Appends `n` unused batch rows.
+    fn add_rows(&mut self, _n: usize) -> Result<()> {
+        Err(crate::error::Error::Cache(format!(
+            "a `{}` cache cannot grow its batch",
+            self.kind()
+        )))
+    }
 }
 
 impl Clone for Box<dyn Cache> {

@@ -81,6 +81,29 @@ pub fn load_quantized(
     )))
 }
 
+/// A dense `x @ w^T` that beats MLX's matmul for some shapes on some
+/// backend: `Ok(None)` hands the product back to MLX. Installed by a kernels
+/// crate (`mlex_kernels::skinny::install`), so this crate holds no kernels.
+pub type DenseMatmul = fn(x: &Array, w: &Array) -> Result<Option<Array>>;
+
+static DENSE_MATMUL: std::sync::OnceLock<DenseMatmul> = std::sync::OnceLock::new();
+
+/// Installs the process's [`DenseMatmul`] (the first call wins).
+pub fn set_dense_matmul_override(f: DenseMatmul) {
+    let _ = DENSE_MATMUL.set(f);
+}
+
+/// `x @ w^T` for a dense `[out, in]` weight, through the installed
+/// [`DenseMatmul`] when it takes the shape.
+pub fn dense_matmul(x: &Array, w: &Array) -> Result<Array> {
+    if let Some(f) = DENSE_MATMUL.get() {
+        if let Some(y) = f(x, w)? {
+            return Ok(y);
+        }
+    }
+    Ok(ops::matmul(x, w.t())?)
+}
+
 impl Linear {
     /// Loads `{prefix}.weight` (+ `.bias`), quantized when `{prefix}.scales`
     /// exists.
@@ -134,8 +157,11 @@ impl Linear {
         match &self.quant {
             None => match self.bias {
                 // mlx.nn.Linear uses addmm when it has a bias.
-                Some(b) => Ok(ops::addmm(p.get(b)?, x, w.t(), 1.0, 1.0)?),
-                None => Ok(ops::matmul(x, w.t())?),
+                Some(b) => match DENSE_MATMUL.get().map(|f| f(x, w)).transpose()?.flatten() {
+                    Some(y) => Ok(ops::add(&y, p.get(b)?)?),
+                    None => Ok(ops::addmm(p.get(b)?, x, w.t(), 1.0, 1.0)?),
+                },
+                None => dense_matmul(x, w),
             },
             Some(q) => {
                 let y = ops::quantized_matmul(
@@ -231,7 +257,7 @@ impl Embedding {
     pub fn as_linear(&self, p: &Params, x: &Array) -> Result<Array> {
         let w = p.get(self.weight)?;
         match &self.quant {
-            None => Ok(ops::matmul(x, w.t())?),
+            None => dense_matmul(x, w),
             Some(q) => Ok(ops::quantized_matmul(
                 x,
                 w,

@@ -42,16 +42,19 @@ pub enum Finish {
     Stop,
     /// The model's context is full.
     Context,
+    /// Cancelled by the caller (batched generation).
+    Cancelled,
 }
 
 impl Finish {
-    /// Lower-case name (`eos`, `length`, `stop`, `context`).
+    /// Lower-case name (`eos`, `length`, `stop`, `context`, `cancelled`).
     pub fn as_str(self) -> &'static str {
         match self {
             Finish::Eos => "eos",
             Finish::Length => "length",
             Finish::Stop => "stop",
             Finish::Context => "context",
+            Finish::Cancelled => "cancelled",
         }
     }
 }
@@ -165,8 +168,8 @@ impl Generator {
         self.decoder.as_ref()
     }
 
-    /// One single-token step: `[1, 1]` tokens → `[1, V]` logits.
-    fn step(&mut self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
+    /// One single-token step: `[B, 1]` tokens → `[B, V]` logits.
+    pub(crate) fn step(&mut self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
         match &mut self.decoder {
             Some(d) => d.step(&self.model, tokens, cache),
             None => self.model.forward_last(tokens, cache),
@@ -314,11 +317,20 @@ impl Generator {
             }
             out.push(tok);
             let flow = on_token(tok)?;
-            if opts.stop_ids.contains(&tok) {
-                break Finish::Eos;
-            }
-            if flow == Flow::Stop {
-                break Finish::Stop;
+            let stop = if opts.stop_ids.contains(&tok) {
+                Some(Finish::Eos)
+            } else if flow == Flow::Stop {
+                Some(Finish::Stop)
+            } else {
+                None
+            };
+            if let Some(finish) = stop {
+                // Wait for the step handed to MLX ahead of time: work left
+                // running races MLX's teardown if the process exits next.
+                if let Some(n) = &next {
+                    n.eval()?;
+                }
+                break finish;
             }
             match next {
                 Some(n) => y = n,

@@ -5,15 +5,18 @@
 //! minijinja), [`sampler::Sampler`] (on-device sampling),
 //! [`detok::StreamingDetokenizer`] (UTF-8-safe streaming) and
 //! [`generate::Generator`] (the pipelined decode loop with prompt-cache
-//! reuse and compiled segments).
+//! reuse and compiled segments) and [`batch::BatchGenerator`] (continuous
+//! batching: many sequences in one forward).
 #![warn(missing_docs)]
 
+pub mod batch;
 pub mod chat;
 pub mod detok;
 pub mod generate;
 pub mod sampler;
 pub mod tokenizer;
 
+pub use batch::{BatchGenerator, BatchOutput, BatchStats, SeqId};
 pub use chat::{ChatTemplate, Message};
 pub use detok::StreamingDetokenizer;
 pub use generate::{

@@ -44,6 +44,64 @@ const MB: f64 = 1e6;
 fn memory_stays_flat() {
     a_4000_token_generation_returns_its_memory();
     two_hundred_chat_turns_hold_only_what_the_prompt_cache_counts();
+    a_thousand_batch_joins_and_leaves_keep_memory_flat();
+}
+
+/// 1,000 sequences stream through 4 slots of a hybrid (each joins while
+/// others decode, and leaves after 2-6 tokens): while it runs, the batch's
+/// memory stays bounded (freed slots are reused, masked columns dropped),
+/// and when it is idle everything is given back.
+fn a_thousand_batch_joins_and_leaves_keep_memory_flat() {
+    let mut g = generator("qwen3_5-f32");
+    g.generate(&[1, 2, 3], &opts(4, false), &mut |_| Ok(Flow::Continue))
+        .unwrap();
+    let (active0, rss0) = (active_memory().unwrap(), rss());
+    let mut b = mlex_generate::BatchGenerator::new(&mut g, 4).unwrap();
+    let (mut submitted, mut done) = (0u32, 0usize);
+    let mut samples = Vec::new();
+    while done < 1000 {
+        while b.waiting() + b.active() < 5 && submitted < 1000 {
+            let len = 3 + (submitted % 11) as usize;
+            let prompt: Vec<u32> = (0..len as u32)
+                .map(|i| (submitted * 7 + i) % 200 + 1)
+                .collect();
+            b.submit(prompt, opts(2 + (submitted % 5) as usize, false));
+            submitted += 1;
+        }
+        let before = done;
+        for (_, r) in b.step(&mut |_, _| Ok(Flow::Continue)).unwrap() {
+            r.unwrap();
+            done += 1;
+        }
+        if done / 100 != before / 100 {
+            samples.push((active_memory().unwrap(), b.cache_bytes(), b.rows()));
+        }
+    }
+    assert!(b.is_idle());
+    drop(b);
+    let (active1, rss1) = (active_memory().unwrap(), rss());
+    let lo = samples.iter().map(|s| s.0).min().unwrap();
+    let hi = samples.iter().map(|s| s.0).max().unwrap();
+    let cache_hi = samples.iter().map(|s| s.1).max().unwrap();
+    eprintln!(
+        "1000 batch joins/leaves: active {:.2} MB before, {:.2}-{:.2} MB while running (batch cache at most {:.2} MB), {:.2} MB after; RSS {:.1} -> {:.1} MB",
+        active0 as f64 / MB,
+        lo as f64 / MB,
+        hi as f64 / MB,
+        cache_hi as f64 / MB,
+        active1 as f64 / MB,
+        rss0 as f64 / MB,
+        rss1 as f64 / MB
+    );
+    // Flat while running: the spread between samples is the batch cache's
+    // size changing (bucket, columns), never an accumulation.
+    assert!(hi <= lo + 2 * cache_hi + (1 << 20), "active {lo}..{hi}");
+    // A sequence that leaves frees its cache: idle, nothing stays behind.
+    assert!(
+        active1 <= active0 + (1 << 16),
+        "active {active0} -> {active1}"
+    );
+    assert!(rss1 < rss0 + (64 << 20), "RSS {rss0} -> {rss1}");
 }
 
 fn a_4000_token_generation_returns_its_memory() {

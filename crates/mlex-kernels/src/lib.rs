@@ -5,6 +5,8 @@
 //!   (Qwen3-Next, Qwen3.5): the token-by-token recurrence and the chunked
 //!   WY form for prefill; one decode token fused into one CUDA kernel.
 //! - [`mamba2`]: the Mamba2 SSM decode step, plain and fused.
+//! - [`skinny`]: dense products of a few rows (batched decode), one weight
+//!   sweep for all rows.
 //! - [`cuda`]: the wrapper over MLX's custom CUDA kernels.
 //!
 //! [`Dispatch`] picks the implementation for the loaded MLX backend (CPU,
@@ -16,6 +18,7 @@
 pub mod cuda;
 pub mod gated_delta;
 pub mod mamba2;
+pub mod skinny;
 
 use gated_delta::Method;
 use mlex_core::device::Backend;
@@ -36,6 +39,9 @@ pub struct Dispatch {
     /// ([`gated_delta::decode_fused`], [`mamba2::decode_fused`]) instead of
     /// a dozen ops (CUDA only).
     pub fused_decode: bool,
+    /// Dense products whose row count is in this range run as
+    /// [`skinny::matmul`] (CUDA only; `None`: MLX's matmul everywhere).
+    pub skinny_rows: Option<(i32, i32)>,
 }
 
 impl Dispatch {
@@ -56,13 +62,15 @@ impl Dispatch {
             gated_delta_chunk: Some(chunk),
             gated_delta_min_len: 8,
             fused_decode: fused,
+            skinny_rows: fused.then_some((2, 32)),
         }
     }
 
     /// The process's dispatch: the loaded backend's defaults, with
     /// `MLEX_GATED_DELTA_CHUNK` (a power of two, or `0` for the token loop)
-    /// overriding the chunk size and `MLEX_FUSED_DECODE=0` turning the fused
-    /// decode kernels off, for measurements.
+    /// overriding the chunk size, `MLEX_FUSED_DECODE=0` turning the fused
+    /// decode kernels off and `MLEX_SKINNY_ROWS` (`0`, or `LO-HI`) the row
+    /// range of the few-row matmul, for measurements.
     pub fn current() -> &'static Dispatch {
         static CURRENT: OnceLock<Dispatch> = OnceLock::new();
         CURRENT.get_or_init(|| {
@@ -85,6 +93,14 @@ impl Dispatch {
             if std::env::var("MLEX_FUSED_DECODE").is_ok_and(|v| v == "0") {
                 d.fused_decode = false;
             }
+            if let Ok(v) = std::env::var("MLEX_SKINNY_ROWS") {
+                match parse_rows(&v) {
+                    Some(r) => d.skinny_rows = r,
+                    None => eprintln!(
+                        "mlex: MLEX_SKINNY_ROWS={v} is neither 0 nor a range such as 2-64; ignored"
+                    ),
+                }
+            }
             d
         })
     }
@@ -96,4 +112,14 @@ impl Dispatch {
             _ => Method::Recurrent,
         }
     }
+}
+
+/// `0` (off) or `LO-HI` with `1 <= LO <= HI <= 64`.
+fn parse_rows(v: &str) -> Option<Option<(i32, i32)>> {
+    if v.trim() == "0" {
+        return Some(None);
+    }
+    let (lo, hi) = v.split_once('-')?;
+    let (lo, hi): (i32, i32) = (lo.trim().parse().ok()?, hi.trim().parse().ok()?);
+    (1 <= lo && lo <= hi && hi <= 64).then_some(Some((lo, hi)))
 }

@@ -61,6 +61,8 @@ pub fn add_toml_path(registry: &mut Registry, path: &Path) -> Result<()> {
 /// Builds a registry: everything registered in linked crates, the bundled
 /// TOML architectures, then `extra` TOML files or directories.
 pub fn build_registry(extra: &[PathBuf]) -> Result<Registry> {
+    // The layers' dense products take the few-row kernel where it is faster.
+    mlex_kernels::skinny::install();
     let mut r = Registry::from_inventory()?;
     for (name, text) in BUNDLED_TOML {
         add_toml_architecture(&mut r, text, Path::new(name))?;

@@ -1,5 +1,6 @@
 //! The subcommands.
 
+mod batch;
 mod bench;
 mod chat;
 mod env;
@@ -33,7 +34,10 @@ pub fn run(cli: Cli) -> Result<()> {
     let registry =
         || -> Result<Registry> { mlex_models::build_registry(&registry_paths(&cli.arch_files)) };
     match cli.command {
-        Command::Generate(a) => generate::run(a, &registry()?),
+        Command::Generate(a) => match a.prompts_file.clone() {
+            Some(file) => batch::run(a, &file, &registry()?),
+            None => generate::run(a, &registry()?),
+        },
         Command::Chat(a) => chat::run(a, &registry()?),
         Command::Bench(a) => bench::run(a, &registry()?),
         Command::Inspect(a) => inspect::run(a, &registry()?),

@@ -371,26 +371,32 @@ impl Attention {
         Ok(ops::reshape(x, &[s[0], s[1], heads, self.head_dim])?)
     }
 
-    fn apply_rope(&self, p: &Params, x: &Array, offset: usize) -> Result<Array> {
+    fn apply_rope(&self, p: &Params, x: &Array, at: &RopeAt) -> Result<Array> {
         let Some(rope) = &self.rope else {
             return Ok(x.clone());
         };
-        match self.inv_freq {
-            Some(id) => {
+        match (self.inv_freq, at) {
+            (Some(id), at) => {
                 let freqs = ops::reciprocal(p.get(id)?)?;
-                Ok(fast::rope(
-                    x,
-                    rope.dims,
-                    rope.traditional,
-                    None,
-                    1.0,
-                    offset as i32,
-                    &freqs,
-                )?)
+                Ok(match at {
+                    RopeAt::Offset(o) => {
+                        fast::rope(x, rope.dims, rope.traditional, None, 1.0, *o as i32, &freqs)?
+                    }
+                    RopeAt::Rows(pos) => {
+                        fast::rope_dynamic(x, rope.dims, rope.traditional, None, 1.0, pos, &freqs)?
+                    }
+                })
             }
-            None => rope.apply(x, offset),
+            (None, RopeAt::Offset(o)) => rope.apply(x, *o),
+            (None, RopeAt::Rows(pos)) => rope.apply_at(x, pos),
         }
     }
+}
+
+/// Where RoPE starts: one offset for the whole batch, or one per row.
+enum RopeAt {
+    Offset(usize),
+    Rows(Array),
 }
 
 /// Index of the next canon window in the layer's state.
@@ -533,9 +539,12 @@ impl Layer for Attention {
         let kv = cache
             .as_kv()
             .ok_or_else(|| Error::Cache("attention needs a KV cache".into()))?;
-        let offset = kv.offset();
-        let mut q = self.apply_rope(p, &q, offset)?;
-        let mut k = self.apply_rope(p, &k, offset)?;
+        let at = match kv.positions()? {
+            Some(rows) => RopeAt::Rows(rows),
+            None => RopeAt::Offset(kv.offset()),
+        };
+        let mut q = self.apply_rope(p, &q, &at)?;
+        let mut k = self.apply_rope(p, &k, &at)?;
         if self.qk_norm == QkNorm::PostRope {
             q = self.q_norm.as_ref().expect("loaded").forward(p, &q)?;
             k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;

@@ -43,6 +43,28 @@ impl Rope {
         })
     }
 
+    /// Applies the rotation with a position per batch row: `positions` is
+    /// `[B]` int32, row `b` starting at `positions[b]` (a batch whose
+    /// sequences sit at different positions).
+    pub fn apply_at(&self, x: &Array, positions: &Array) -> Result<Array> {
+        let freqs = self
+            .freqs
+            .as_ref()
+            .map(|f| Array::from_slice(f, &[f.len() as i32]));
+        Ok(match &freqs {
+            Some(f) => fast::rope_dynamic(x, self.dims, self.traditional, None, 1.0, positions, f)?,
+            None => fast::rope_dynamic(
+                x,
+                self.dims,
+                self.traditional,
+                self.base,
+                self.scale,
+                positions,
+                None,
+            )?,
+        })
+    }
+
     /// Builds the RoPE for `dims` rotated dims from `base` and an optional
     /// `rope_scaling` object (HF/mlx-lm conventions).
     pub fn from_scaling(

@@ -1,0 +1,572 @@
+//! Continuous batching: many sequences decode in one forward.
+//!
+//! A [`BatchGenerator`] holds a queue of requests and a batch of *slots*.
+//! Each call to [`BatchGenerator::step`]:
+//!
+//! 1. **admits** waiting requests into free slots (the batch grows to the
+//!    next bucket, a power of two up to `max_batch`). Their prompts are
+//!    prefilled *together* as a staircase: sorted by length, all rows feed
+//!    the tokens up to the shortest prompt in one `[rows, T]` forward, that
+//!    row leaves with its caches, the rest continue to the next length, and
+//!    so on. Every row of a stage sits at the same position, so plain
+//!    caches, causal masks and the recurrent layers' prefill serve it
+//!    unchanged: no padding enters any recurrence. Each sequence's caches
+//!    are then written into its slot ([`mlex_core::cache::Cache::write_row`]): attention KV
+//!    into the left-padded [`BatchKvCache`], recurrent state into its row.
+//! 2. runs **one decode step** for every slot (`[rows, 1]` tokens; compiled
+//!    segments are traced once per bucket size), samples each row with its
+//!    own options, and hands the step to MLX (`async_eval`) before it waits
+//!    for the previous step's tokens, as the single-sequence loop does.
+//! 3. **emits** the previous step's tokens, and retires sequences that hit
+//!    an end token, their `max_tokens`, the context limit, a stop from the
+//!    callback (stop strings) or a cancel: their slot is freed, nothing is
+//!    copied, and the others never notice. When few slots stay used, the
+//!    batch is compacted to a smaller bucket (one copy).
+//!
+//! Every layer kind batches through the [`mlex_core::cache::Cache`] row operations, so no
+//! architecture has code of its own here; a cache kind that cannot batch
+//! (the sliding-window KV) is refused with an error naming it.
+
+use crate::generate::{Finish, Flow, GenerateOptions, Generator};
+use crate::sampler::Sampler;
+use mlex_cache::BatchKvCache;
+use mlex_core::error::{Error, Result};
+use mlex_core::model::ModelCache;
+use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{ops, Array, Dtype};
+use std::collections::{BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+/// Identifies one request of a [`BatchGenerator`].
+pub type SeqId = u64;
+
+/// One finished request.
+#[derive(Clone, Debug)]
+pub struct BatchOutput {
+    /// Generated ids (including a final end token).
+    pub tokens: Vec<u32>,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Why it ended.
+    pub finish: Finish,
+}
+
+/// Totals over a generator's life (for benchmarks and logs).
+#[derive(Clone, Debug, Default)]
+pub struct BatchStats {
+    /// Prompt tokens prefilled.
+    pub prefill_tokens: usize,
+    /// Wall time of admissions (prefill, until the first tokens exist).
+    pub prefill_time: Duration,
+    /// Tokens emitted.
+    pub generated_tokens: usize,
+    /// Decode steps run.
+    pub steps: usize,
+    /// Most slots in use at once.
+    pub peak_active: usize,
+}
+
+struct Active {
+    id: SeqId,
+    prompt_len: usize,
+    max_tokens: usize,
+    stop_ids: BTreeSet<u32>,
+    sampler: Sampler,
+    /// Recent ids `[1, n]` for the repetition penalty, when it is on.
+    history: Option<Array>,
+    context: usize,
+    out: Vec<u32>,
+}
+
+impl Active {
+    /// True when this row can use the batch-wide argmax.
+    fn plain_greedy(&self) -> bool {
+        let c = self.sampler.config();
+        c.is_greedy() && c.logit_bias.is_empty() && c.repetition_penalty == 1.0
+    }
+}
+
+/// The batch size a count of sequences runs at: the next power of two, at
+/// most `max`. Few sizes means few compiled traces.
+pub fn bucket(n: usize, max: usize) -> usize {
+    n.max(1).next_power_of_two().min(max.max(1))
+}
+
+/// Many sequences through one model, decoded together.
+pub struct BatchGenerator<'g> {
+    gen: &'g mut Generator,
+    max_batch: usize,
+    waiting: VecDeque<(SeqId, Vec<u32>, GenerateOptions)>,
+    slots: Vec<Option<Active>>,
+    cache: Option<ModelCache>,
+    /// Per slot, the token to feed next (not yet emitted), `[rows]` uint32.
+    next: Option<Array>,
+    cancelled: BTreeSet<SeqId>,
+    finished: Vec<(SeqId, Result<BatchOutput>)>,
+    next_id: SeqId,
+    stats: BatchStats,
+}
+
+impl<'g> BatchGenerator<'g> {
+    /// A batch of at most `max_batch` sequences in flight on `gen`'s model
+    /// (its compiled decoder and prefill step are used; its prompt cache
+    /// is not).
+    pub fn new(gen: &'g mut Generator, max_batch: usize) -> Result<Self> {
+        if max_batch == 0 {
+            return Err(Error::invalid("max_batch", "must be at least 1"));
+        }
+        Ok(Self {
+            gen,
+            max_batch,
+            waiting: VecDeque::new(),
+            slots: Vec::new(),
+            cache: None,
+            next: None,
+            cancelled: BTreeSet::new(),
+            finished: Vec::new(),
+            next_id: 0,
+            stats: BatchStats::default(),
+        })
+    }
+
+    /// Queues a request; it joins the batch at the next step with room.
+    pub fn submit(&mut self, prompt: Vec<u32>, opts: GenerateOptions) -> SeqId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back((id, prompt, opts));
+        id
+    }
+
+    /// Cancels a request: it finishes with [`Finish::Cancelled`] at the
+    /// next step, without disturbing the others.
+    pub fn cancel(&mut self, id: SeqId) {
+        self.cancelled.insert(id);
+    }
+
+    /// Sequences decoding now.
+    pub fn active(&self) -> usize {
+        self.slots.iter().flatten().count()
+    }
+
+    /// Requests not yet admitted.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// True when nothing is queued or decoding.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.active() == 0
+    }
+
+    /// Slots in the batch now (its bucket size).
+    pub fn rows(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Totals so far.
+    pub fn stats(&self) -> &BatchStats {
+        &self.stats
+    }
+
+    /// Bytes held by the batch's caches.
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.as_ref().map(ModelCache::nbytes).unwrap_or(0)
+    }
+
+    /// Runs every queued request to its end; `on_token` sees each new id
+    /// (and may stop its sequence). Returns the outputs by request id.
+    pub fn run(
+        &mut self,
+        on_token: &mut dyn FnMut(SeqId, u32) -> Result<Flow>,
+    ) -> Result<Vec<(SeqId, Result<BatchOutput>)>> {
+        let mut all = Vec::new();
+        while !self.is_idle() {
+            all.extend(self.step(on_token)?);
+        }
+        all.sort_by_key(|(id, _)| *id);
+        Ok(all)
+    }
+
+    /// One round: admit, decode one token for every slot, emit. Returns the
+    /// requests that finished (or failed) in it.
+    pub fn step(
+        &mut self,
+        on_token: &mut dyn FnMut(SeqId, u32) -> Result<Flow>,
+    ) -> Result<Vec<(SeqId, Result<BatchOutput>)>> {
+        self.drop_cancelled_waiting();
+        self.admit()?;
+        if self.active() == 0 {
+            self.release();
+            return Ok(std::mem::take(&mut self.finished));
+        }
+        let rows = self.slots.len() as i32;
+        let feed = self.next.take().expect("a used batch has tokens");
+        let cache = self.cache.as_mut().expect("a used batch has caches");
+        let inp = ops::reshape(&feed, &[rows, 1])?;
+        let logits = self.gen.step(&inp, cache)?;
+        let sampled = self.sample(&logits)?;
+        async_eval([&sampled])?;
+        self.stats.steps += 1;
+        self.emit(&feed, on_token)?;
+        self.next = Some(sampled);
+        self.compact()?;
+        Ok(std::mem::take(&mut self.finished))
+    }
+
+    fn drop_cancelled_waiting(&mut self) {
+        if self.cancelled.is_empty() {
+            return;
+        }
+        let cancelled = &self.cancelled;
+        let finished = &mut self.finished;
+        self.waiting.retain(|(id, prompt, _)| {
+            if cancelled.contains(id) {
+                finished.push((
+                    *id,
+                    Ok(BatchOutput {
+                        tokens: Vec::new(),
+                        prompt_tokens: prompt.len(),
+                        finish: Finish::Cancelled,
+                    }),
+                ));
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Checks one request before it costs any compute.
+    fn validate(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<Sampler> {
+        let model = &self.gen.model;
+        if prompt.is_empty() {
+            return Err(Error::invalid("prompt", "is empty"));
+        }
+        let vocab = model.vocab_size() as usize;
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::invalid(
+                "prompt",
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        let limit = model.max_context.unwrap_or(usize::MAX);
+        if prompt.len() >= limit {
+            return Err(Error::PromptTooLong {
+                len: prompt.len(),
+                max: limit,
+                hint: Some("max_position_embeddings in config.json".into()),
+            });
+        }
+        if opts.max_tokens == 0 {
+            return Err(Error::invalid("max_tokens", "must be at least 1"));
+        }
+        Sampler::new(opts.sampler.clone(), vocab)
+    }
+
+    /// Moves waiting requests into free slots, prefilling them together.
+    fn admit(&mut self) -> Result<()> {
+        let room = self.max_batch - self.active();
+        if room == 0 || self.waiting.is_empty() {
+            return Ok(());
+        }
+        let mut group = Vec::new();
+        while group.len() < room {
+            let Some((id, prompt, opts)) = self.waiting.pop_front() else {
+                break;
+            };
+            match self.validate(&prompt, &opts) {
+                Ok(sampler) => group.push((id, prompt, opts, sampler)),
+                Err(e) => self.finished.push((id, Err(e))),
+            }
+        }
+        if group.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let prompts: Vec<&[u32]> = group.iter().map(|g| g.1.as_slice()).collect();
+        let prefilled = self.prefill_group(&prompts)?;
+        self.ensure_rows(self.active() + group.len())?;
+        let limit = self.gen.model.max_context.unwrap_or(usize::MAX);
+        let mut firsts = Vec::with_capacity(group.len());
+        for ((id, prompt, opts, mut sampler), (single, logits)) in group.into_iter().zip(prefilled)
+        {
+            let row = self
+                .slots
+                .iter()
+                .position(Option::is_none)
+                .expect("ensure_rows made room");
+            let cache = self.cache.as_mut().expect("ensure_rows made the batch");
+            for (bc, sc) in cache.layers.iter_mut().zip(&single.layers) {
+                for (b, s) in bc.iter_mut().zip(sc) {
+                    b.write_row(row, s.as_ref())?;
+                }
+            }
+            let penalty = opts.sampler.repetition_penalty != 1.0;
+            let history = penalty.then(|| {
+                let ctx = opts.sampler.repetition_context.max(1);
+                let tail: Vec<i32> = prompt[prompt.len().saturating_sub(ctx)..]
+                    .iter()
+                    .map(|&t| t as i32)
+                    .collect();
+                Array::from_slice(&tail, &[1, tail.len() as i32])
+            });
+            let first = sampler.sample(&logits, history.as_ref())?;
+            firsts.push(first.clone());
+            let next = self.next.as_mut().expect("ensure_rows made the tokens");
+            let r = row as i32;
+            next.try_index_mut(r..r + 1, &first)?;
+            self.stats.prefill_tokens += prompt.len();
+            self.slots[row] = Some(Active {
+                id,
+                prompt_len: prompt.len(),
+                max_tokens: opts.max_tokens,
+                stop_ids: opts.stop_ids.clone(),
+                sampler,
+                history,
+                context: limit,
+                out: Vec::new(),
+            });
+        }
+        eval(firsts.iter())?;
+        self.stats.prefill_time += started.elapsed();
+        self.stats.peak_active = self.stats.peak_active.max(self.active());
+        Ok(())
+    }
+
+    /// Staircase prefill of several prompts: per prompt (in the given
+    /// order), its batch-1 caches and last-position logits `[1, V]`.
+    fn prefill_group(&mut self, prompts: &[&[u32]]) -> Result<Vec<(ModelCache, Array)>> {
+        let model = &self.gen.model;
+        let mut order: Vec<usize> = (0..prompts.len()).collect();
+        order.sort_by_key(|&i| prompts[i].len());
+        let mut cache = model.make_cache(order.len())?;
+        let mut rows = order;
+        let mut done: Vec<Option<(ModelCache, Array)>> = (0..prompts.len()).map(|_| None).collect();
+        let chunk = self.gen.prefill_chunk.max(1);
+        let mut pos = 0;
+        while !rows.is_empty() {
+            let end = prompts[rows[0]].len();
+            let piece = (chunk / rows.len()).max(16);
+            let mut logits = None;
+            let mut at = pos;
+            while at < end {
+                let next = (at + piece).min(end);
+                let mut ids = Vec::with_capacity(rows.len() * (next - at));
+                for &r in &rows {
+                    ids.extend(prompts[r][at..next].iter().map(|&t| t as i32));
+                }
+                let x = Array::from_slice(&ids, &[rows.len() as i32, (next - at) as i32]);
+                if next == end {
+                    logits = Some(model.forward_last(&x, &mut cache)?);
+                } else {
+                    model.forward_hidden(&x, &mut cache)?;
+                    eval(cache.arrays().iter())?;
+                }
+                at = next;
+            }
+            let logits = logits.expect("every stage feeds at least one token");
+            let leaving = rows
+                .iter()
+                .take_while(|&&r| prompts[r].len() == end)
+                .count();
+            for (j, &r) in rows.iter().enumerate().take(leaving) {
+                let mut single = cache.clone();
+                for c in single.layers.iter_mut().flatten() {
+                    c.select_rows(&[j as i32])?;
+                }
+                let j = j as i32;
+                done[r] = Some((single, logits.try_index(j..j + 1)?));
+            }
+            if leaving < rows.len() {
+                let keep: Vec<i32> = (leaving as i32..rows.len() as i32).collect();
+                for c in cache.layers.iter_mut().flatten() {
+                    c.select_rows(&keep)?;
+                }
+            }
+            rows.drain(..leaving);
+            pos = end;
+        }
+        Ok(done
+            .into_iter()
+            .map(|d| d.expect("every prompt prefilled"))
+            .collect())
+    }
+
+    /// Makes the batch at least `need` slots (the next bucket).
+    fn ensure_rows(&mut self, need: usize) -> Result<()> {
+        let target = bucket(need, self.max_batch);
+        let have = self.slots.len();
+        if self.cache.is_none() {
+            let model = &self.gen.model;
+            let mut layers = Vec::with_capacity(model.layers.len());
+            for (i, slot) in model.layers.iter().enumerate() {
+                let mut caches = slot.layer.make_caches(target, model.dtype)?;
+                for c in caches.iter_mut().filter(|c| c.grows()) {
+                    if c.kind() != "kv" {
+                        return Err(Error::Cache(format!(
+                            "layer {i} ({}) keeps a `{}` cache, which cannot be batched yet; run its sequences one at a time",
+                            slot.kind,
+                            c.kind()
+                        )));
+                    }
+                    *c = Box::new(BatchKvCache::new(target));
+                }
+                layers.push(caches);
+            }
+            self.cache = Some(ModelCache { layers });
+            self.slots = (0..target).map(|_| None).collect();
+            self.next = Some(ops::zeros_dtype(&[target as i32], Dtype::Uint32)?);
+            return Ok(());
+        }
+        if target > have {
+            let extra = target - have;
+            let cache = self.cache.as_mut().expect("checked above");
+            for c in cache.layers.iter_mut().flatten() {
+                c.add_rows(extra)?;
+            }
+            self.slots.extend((0..extra).map(|_| None));
+            let pad = ops::zeros_dtype(&[extra as i32], Dtype::Uint32)?;
+            let next = self.next.take().expect("a batch has tokens");
+            self.next = Some(ops::concatenate(&[next, pad], 0)?);
+        }
+        Ok(())
+    }
+
+    /// Samples every row: one argmax for the whole batch when every used
+    /// row is plain greedy, else each used row with its own sampler.
+    fn sample(&mut self, logits: &Array) -> Result<Array> {
+        if self.slots.iter().flatten().all(Active::plain_greedy) {
+            let l = logits.as_dtype(Dtype::Float32)?;
+            return Ok(ops::indexing::argmax_axis(&l, -1, None)?.as_dtype(Dtype::Uint32)?);
+        }
+        let mut parts = Vec::with_capacity(self.slots.len());
+        for (r, slot) in self.slots.iter_mut().enumerate() {
+            let r = r as i32;
+            match slot {
+                Some(a) => {
+                    let row = logits.try_index(r..r + 1)?;
+                    parts.push(a.sampler.sample(&row, a.history.as_ref())?);
+                }
+                None => parts.push(ops::zeros_dtype(&[1], Dtype::Uint32)?),
+            }
+        }
+        Ok(ops::concatenate(&parts, 0)?)
+    }
+
+    /// Hands out the tokens fed this step and retires finished rows.
+    fn emit(
+        &mut self,
+        fed: &Array,
+        on_token: &mut dyn FnMut(SeqId, u32) -> Result<Flow>,
+    ) -> Result<()> {
+        fed.eval()?;
+        let ids: Vec<u32> = fed.as_slice::<u32>().to_vec();
+        for (r, slot) in self.slots.iter_mut().enumerate() {
+            let Some(a) = slot else { continue };
+            let finish = if self.cancelled.remove(&a.id) {
+                Some(Finish::Cancelled)
+            } else {
+                let tok = ids[r];
+                a.out.push(tok);
+                self.stats.generated_tokens += 1;
+                if let Some(h) = &a.history {
+                    let ctx = a.sampler.config().repetition_context.max(1) as i32;
+                    let t = Array::from_slice(&[tok as i32], &[1, 1]);
+                    let joined = ops::concatenate(&[h, &t], 1)?;
+                    let n = joined.shape()[1];
+                    a.history = Some(joined.try_index((.., (n - ctx).max(0)..))?);
+                }
+                let flow = on_token(a.id, tok)?;
+                let n = a.out.len();
+                let room = a.prompt_len + n < a.context;
+                if a.stop_ids.contains(&tok) {
+                    Some(Finish::Eos)
+                } else if flow == Flow::Stop {
+                    Some(Finish::Stop)
+                } else if !room {
+                    Some(Finish::Context)
+                } else if n >= a.max_tokens {
+                    Some(Finish::Length)
+                } else {
+                    None
+                }
+            };
+            if let Some(finish) = finish {
+                let a = slot.take().expect("matched above");
+                if let Some(cache) = self.cache.as_mut() {
+                    for c in cache.layers.iter_mut().flatten() {
+                        c.free_row(r);
+                    }
+                }
+                self.finished.push((
+                    a.id,
+                    Ok(BatchOutput {
+                        tokens: a.out,
+                        prompt_tokens: a.prompt_len,
+                        finish,
+                    }),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Shrinks the batch to the bucket of what is used (and of what waits
+    /// to join), moving the used rows together.
+    fn compact(&mut self) -> Result<()> {
+        let used: Vec<usize> = (0..self.slots.len())
+            .filter(|&r| self.slots[r].is_some())
+            .collect();
+        if used.is_empty() {
+            if self.waiting.is_empty() {
+                self.release();
+            }
+            return Ok(());
+        }
+        let target = bucket(used.len() + self.waiting.len(), self.max_batch);
+        if target >= self.slots.len() {
+            return Ok(());
+        }
+        let mut keep: Vec<i32> = used.iter().map(|&r| r as i32).collect();
+        // Pad with free rows up to the bucket.
+        keep.extend(
+            (0..self.slots.len() as i32)
+                .filter(|r| self.slots[*r as usize].is_none())
+                .take(target - used.len()),
+        );
+        let cache = self.cache.as_mut().expect("a used batch has caches");
+        for c in cache.layers.iter_mut().flatten() {
+            c.select_rows(&keep)?;
+        }
+        let idx = Array::from_slice(&keep, &[keep.len() as i32]);
+        let next = self.next.take().expect("a used batch has tokens");
+        self.next = Some(next.take_axis(&idx, 0)?);
+        let mut old: Vec<Option<Active>> = std::mem::take(&mut self.slots);
+        self.slots = keep.iter().map(|&r| old[r as usize].take()).collect();
+        Ok(())
+    }
+
+    /// Drops the batch's caches once nothing is in flight.
+    fn release(&mut self) {
+        self.settle();
+        self.cache = None;
+        self.next = None;
+        self.slots.clear();
+    }
+
+    /// Waits for the step handed to MLX ahead of time: work left running
+    /// when the process exits races MLX's teardown (heap corruption seen
+    /// at exit on the CPU backend before this).
+    fn settle(&mut self) {
+        if let Some(n) = &self.next {
+            let _ = n.eval();
+        }
+    }
+}
+
+impl Drop for BatchGenerator<'_> {
+    fn drop(&mut self) {
+        self.settle();
+    }
+}

@@ -1,0 +1,42 @@
+// y = x @ w^T for a few rows of x, reading every weight once: the decode
+// step of a batch (M = 2..64 sequences), where MLX's CUDA matmul pays a
+// large-tile GEMM's fixed cost (17-25 us per product measured on the H200)
+// for what is a bandwidth-bound weight sweep.
+//
+// Body of an MLX custom CUDA kernel (MLX writes the signature). Inputs:
+//   x [M, K] (T), w [N, K] (T), both row-contiguous; K % 8 == 0.
+// Output: y [M, N] (T), accumulated in float.
+// Template: T, M. Launch: grid (32, N, 1) threads in blocks of (32, 4, 1):
+// one warp per output column n, each lane 8 consecutive k at a time.
+const int lane = threadIdx.x;
+const int n = blockIdx.y * blockDim.y + threadIdx.y;
+const int N = w_shape[0];
+const int K = w_shape[1];
+if (n >= N) return;
+float acc[M];
+#pragma unroll
+for (int m = 0; m < M; ++m) acc[m] = 0.f;
+const T* wr = w + (size_t)n * K;
+for (int k = lane * 8; k < K; k += 256) {
+  uint4 wv = *reinterpret_cast<const uint4*>(wr + k);
+  const T* wp = reinterpret_cast<const T*>(&wv);
+  float wf[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) wf[i] = static_cast<float>(wp[i]);
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    uint4 xv = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+    const T* xp = reinterpret_cast<const T*>(&xv);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s += wf[i] * static_cast<float>(xp[i]);
+    acc[m] += s;
+  }
+}
+#pragma unroll
+for (int m = 0; m < M; ++m) {
+  float v = acc[m];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+  if (lane == 0) y[(size_t)m * N + n] = static_cast<T>(v);
+}

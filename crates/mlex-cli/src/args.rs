@@ -76,6 +76,42 @@ pub enum Command {
   mlex env
   mlex env --format json")]
     Env(EnvArgs),
+    /// Serve an OpenAI-compatible HTTP API (chat and completions, streamed or not) on the batched engine.
+    #[command(after_help = "Examples:
+  mlex serve --model ./my-model
+  mlex serve --model ./my-model --host 0.0.0.0 --port 8080 --batch 32 --api-key secret
+  curl localhost:8080/v1/chat/completions -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'")]
+    Serve(ServeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on (loopback unless you open it).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port (0: any free port; the address is printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Most sequences decoding together.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch: u32,
+    /// Most requests waiting beyond --batch; more get 503 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    pub max_queue: usize,
+    /// Require `Authorization: Bearer KEY` on every request (also $MLEX_API_KEY).
+    #[arg(long, env = "MLEX_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// The model id clients use (default: the --model argument's last component).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// max_tokens for requests that give none.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    pub default_max_tokens: u32,
+    /// After SIGTERM, seconds that requests in flight may take before they are cancelled.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_timeout: u64,
 }
 
 /// The model to load.

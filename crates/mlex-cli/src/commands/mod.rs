@@ -8,6 +8,7 @@ mod generate;
 mod inspect;
 mod list;
 mod logits;
+mod serve;
 
 use crate::args::{Cli, Command, DeviceArg};
 use mlex_core::error::Result;
@@ -43,6 +44,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Inspect(a) => inspect::run(a, &registry()?),
         Command::List(a) => list::run(a, &registry()?),
         Command::Logits(a) => logits::run(a, &registry()?),
+        Command::Serve(a) => serve::run(a, registry_paths(&cli.arch_files)),
         Command::Env(a) => env::run(a),
     }
 }

@@ -1,0 +1,43 @@
+//! `mlex serve`.
+
+use crate::args::ServeArgs;
+use crate::session::{compile, load_with, tokenizer_for};
+use mlex_core::error::Result;
+use mlex_generate::Generator;
+use mlex_server::{Loaded, ServeConfig};
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
+    let model_id = a.served_model_name.clone().unwrap_or_else(|| {
+        let trimmed = a.model.model.trim_end_matches('/');
+        trimmed.rsplit('/').next().unwrap_or(trimmed).to_owned()
+    });
+    let cfg = ServeConfig {
+        host: a.host.clone(),
+        port: a.port,
+        batch: a.batch as usize,
+        max_queue: a.max_queue,
+        api_key: a.api_key.clone(),
+        model_id,
+        default_max_tokens: a.default_max_tokens as usize,
+        shutdown_timeout: Duration::from_secs(a.shutdown_timeout),
+    };
+    let model_args = a.model.clone();
+    // The model lives on the engine thread: MLX arrays and compiled traces
+    // stay on the thread that made them.
+    let load = Box::new(move || -> Result<Loaded> {
+        let registry = mlex_models::build_registry(&arch_paths)?;
+        let loaded = load_with(&model_args, &registry)?;
+        let tokenizer = tokenizer_for(&loaded)?;
+        let mut generator = Generator::with_policy(loaded.model, compile(&model_args));
+        if let Some(n) = model_args.prefill_chunk {
+            generator.prefill_chunk = n as usize;
+        }
+        Ok(Loaded {
+            generator,
+            tokenizer,
+        })
+    });
+    mlex_server::serve(cfg, load)
+}

@@ -1,0 +1,249 @@
+//! The engine thread: owns the model (MLX arrays and compiled traces stay on
+//! one thread) and the [`BatchGenerator`]; takes jobs from the HTTP side over
+//! a channel, runs one batched step at a time, and sends each job's events
+//! back on its own channel. A job whose channel is closed (the client went
+//! away) is stopped at the next token: its slot frees within one step.
+
+use crate::metrics::Metrics;
+use mlex_generate::{
+    BatchGenerator, Finish, Flow, GenerateOptions, Generator, Message, SeqId, StreamingDetokenizer,
+    Tokenizer,
+};
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::sync::Arc;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What to feed the model.
+pub enum Prompt {
+    /// Chat messages, rendered with the model's template.
+    Chat(Vec<Message>),
+    /// Raw text, encoded as is.
+    Text(String),
+}
+
+/// One request for the engine.
+pub struct Job {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Length and sampling; `stop_ids` is filled in from the tokenizer.
+    pub opts: GenerateOptions,
+    /// Stop strings.
+    pub stops: Vec<String>,
+    /// Where the events go.
+    pub events: UnboundedSender<Event>,
+}
+
+/// What the engine says about one job.
+#[derive(Debug)]
+pub enum Event {
+    /// New text (may be empty while a multi-byte character is incomplete).
+    Text(String),
+    /// The end.
+    Done {
+        /// Why.
+        finish: Finish,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+    },
+    /// The request cannot run (bad prompt or options): a 400.
+    Rejected(String),
+}
+
+/// Messages to the engine thread.
+pub enum Msg {
+    /// A new job.
+    Job(Job),
+    /// Finish what is in flight, take nothing new, then return.
+    Drain,
+    /// Stop everything now.
+    CancelAll,
+}
+
+struct Running<'t> {
+    events: UnboundedSender<Event>,
+    detok: StreamingDetokenizer<'t>,
+    text: String,
+    sent: usize,
+    stops: Vec<String>,
+    hold: usize,
+}
+
+fn prompt_ids(tok: &Tokenizer, p: &Prompt) -> mlex_core::Result<Vec<u32>> {
+    match p {
+        Prompt::Chat(messages) => match &tok.chat_template {
+            Some(t) => tok.encode(&t.render(messages, true)?, false),
+            None => {
+                let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+                tok.encode(&text.join("\n"), tok.add_bos)
+            }
+        },
+        Prompt::Text(t) => tok.encode(t, tok.add_bos),
+    }
+}
+
+/// Where a stop string starts in `text`, if one appears.
+fn cut_at_stop(text: &str, stops: &[String]) -> Option<usize> {
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+}
+
+/// Runs the engine until the channel closes or a drain completes.
+pub fn run(
+    mut generator: Generator,
+    tokenizer: Tokenizer,
+    batch: usize,
+    rx: mpsc::Receiver<Msg>,
+    metrics: Arc<Metrics>,
+) -> mlex_core::Result<()> {
+    let tok = &tokenizer;
+    let mut engine = BatchGenerator::new(&mut generator, batch)?;
+    let mut running: BTreeMap<SeqId, Running> = BTreeMap::new();
+    let mut draining = false;
+    loop {
+        // Block for work only when there is none in flight.
+        let first = if engine.is_idle() {
+            if draining {
+                return Ok(());
+            }
+            match rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => return Ok(()),
+            }
+        } else {
+            None
+        };
+        for msg in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
+            match msg {
+                Msg::Job(job) => {
+                    let ids = match prompt_ids(tok, &job.prompt) {
+                        Ok(ids) if !ids.is_empty() => ids,
+                        Ok(_) => {
+                            let _ = job
+                                .events
+                                .send(Event::Rejected("the prompt is empty".into()));
+                            continue;
+                        }
+                        Err(e) => {
+                            let _ = job.events.send(Event::Rejected(e.to_string()));
+                            continue;
+                        }
+                    };
+                    let mut opts = job.opts;
+                    opts.stop_ids = tok.eos_ids.clone();
+                    let hold = job
+                        .stops
+                        .iter()
+                        .map(|s| s.chars().count())
+                        .max()
+                        .unwrap_or(1)
+                        .saturating_sub(1);
+                    let id = engine.submit(ids, opts);
+                    running.insert(
+                        id,
+                        Running {
+                            events: job.events,
+                            detok: StreamingDetokenizer::new(tok),
+                            text: String::new(),
+                            sent: 0,
+                            stops: job.stops,
+                            hold,
+                        },
+                    );
+                }
+                Msg::Drain => draining = true,
+                Msg::CancelAll => {
+                    for &id in running.keys() {
+                        engine.cancel(id);
+                    }
+                }
+            }
+        }
+        metrics.queue_depth.set(engine.waiting() as i64);
+        metrics.active.set(engine.active() as i64);
+        let before = engine.stats().clone();
+        let started = std::time::Instant::now();
+        let mut on_token = |id: SeqId, t: u32| -> mlex_core::Result<Flow> {
+            let Some(r) = running.get_mut(&id) else {
+                return Ok(Flow::Continue);
+            };
+            r.text.push_str(&r.detok.push(t)?);
+            let mut flow = Flow::Continue;
+            let mut safe = r.text.len();
+            if let Some(cut) = cut_at_stop(&r.text, &r.stops) {
+                r.text.truncate(cut);
+                safe = cut;
+                flow = Flow::Stop;
+            } else {
+                for _ in 0..r.hold {
+                    safe = r.text[..safe]
+                        .char_indices()
+                        .next_back()
+                        .map(|(i, _)| i)
+                        .unwrap_or(0);
+                }
+            }
+            if safe > r.sent {
+                let piece = r.text[r.sent..safe].to_owned();
+                r.sent = safe;
+                if r.events.send(Event::Text(piece)).is_err() {
+                    // The client is gone: free its slot.
+                    metrics.cancelled.inc();
+                    return Ok(Flow::Stop);
+                }
+            } else if r.events.is_closed() {
+                metrics.cancelled.inc();
+                return Ok(Flow::Stop);
+            }
+            Ok(flow)
+        };
+        let finished = engine.step(&mut on_token)?;
+        let after = engine.stats();
+        metrics
+            .prefill_computed
+            .inc_by((after.prefill_tokens - before.prefill_tokens) as u64);
+        let generated = (after.generated_tokens - before.generated_tokens) as u64;
+        metrics.generated.inc_by(generated);
+        if generated > 0 {
+            let rate = generated as f64 / started.elapsed().as_secs_f64().max(1e-9);
+            metrics.decode_rate.set(rate);
+        }
+        for (id, r) in finished {
+            let Some(mut run) = running.remove(&id) else {
+                continue;
+            };
+            match r {
+                Ok(out) => {
+                    if out.finish != Finish::Stop && out.finish != Finish::Cancelled {
+                        if let Ok(rest) = run.detok.finish() {
+                            run.text.push_str(&rest);
+                        }
+                    }
+                    if run.text.len() > run.sent {
+                        let _ = run
+                            .events
+                            .send(Event::Text(run.text[run.sent..].to_owned()));
+                    }
+                    let _ = run.events.send(Event::Done {
+                        finish: out.finish,
+                        prompt_tokens: out.prompt_tokens,
+                        completion_tokens: out.tokens.len(),
+                    });
+                }
+                Err(e) => {
+                    let _ = run.events.send(Event::Rejected(e.to_string()));
+                }
+            }
+        }
+        metrics.queue_depth.set(engine.waiting() as i64);
+        metrics.active.set(engine.active() as i64);
+    }
+}

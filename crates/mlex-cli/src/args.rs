@@ -112,6 +112,9 @@ pub struct ServeArgs {
     /// After SIGTERM, seconds that requests in flight may take before they are cancelled.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Bytes the prompt cache may hold to share prefixes across requests.
+    #[arg(long, default_value_t = 4 << 30)]
+    pub prompt_cache_bytes: usize,
 }
 
 /// The model to load.

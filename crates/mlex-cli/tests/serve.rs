@@ -180,7 +180,15 @@ fn chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx() {
         .find(|e| e["choices"].get(0).is_some())
         .unwrap();
     assert_eq!(last_choice["choices"][0]["finish_reason"], "stop");
-    assert_eq!(evs.last().unwrap()["usage"], *usage);
+    // The same prompt again: all but its last token come from the prompt cache.
+    let streamed_usage = &evs.last().unwrap()["usage"];
+    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(streamed_usage[k], usage[k], "{k}");
+    }
+    assert_eq!(
+        streamed_usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        Some(usage["prompt_tokens"].as_u64().unwrap() - 1)
+    );
 
     // Stop strings, and the completions endpoint.
     let (code, v) = post(
@@ -247,8 +255,37 @@ fn chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx() {
         (200, Some(content.as_str()))
     );
 
+    // A shared system prompt is computed once.
+    let system =
+        "You are a concise assistant who answers questions about geography in one sentence.";
+    let mut reused = Vec::new();
+    for q in [
+        "What is the capital of Italy?",
+        "What is the capital of Spain?",
+    ] {
+        let (code, v) = post(
+            &s,
+            "/v1/chat/completions",
+            Some("k"),
+            &json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                    "max_tokens": 12}),
+        );
+        assert_eq!(code, 200, "{v}");
+        reused.push(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        );
+    }
+    assert!(reused[1] >= 20, "the second request reused {reused:?}");
     let (code, m) = get_text(&s, "/metrics", Some("k"));
     assert_eq!(code, 200);
+    let reused_total: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("mlex_prefill_tokens_reused_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    assert!(reused_total >= reused[1] as f64, "{m}");
     for name in [
         "mlex_requests_total",
         "mlex_rejected_total",

@@ -13,6 +13,10 @@
 //!    unchanged: no padding enters any recurrence. Each sequence's caches
 //!    are then written into its slot ([`mlex_core::cache::Cache::write_row`]): attention KV
 //!    into the left-padded [`BatchKvCache`], recurrent state into its row.
+//!    A request whose options set `use_prompt_cache` instead restores its
+//!    longest cached prefix from the generator's prompt cache (hybrids
+//!    through their recurrent-state checkpoints), prefills the rest alone,
+//!    and records its prompt for the requests after it.
 //! 2. runs **one decode step** for every slot (`[rows, 1]` tokens; compiled
 //!    segments are traced once per bucket size), samples each row with its
 //!    own options, and hands the step to MLX (`async_eval`) before it waits
@@ -48,6 +52,8 @@ pub struct BatchOutput {
     pub tokens: Vec<u32>,
     /// Prompt length.
     pub prompt_tokens: usize,
+    /// Prompt tokens restored from the prompt cache (not computed).
+    pub reused_tokens: usize,
     /// Why it ended.
     pub finish: Finish,
 }
@@ -57,6 +63,8 @@ pub struct BatchOutput {
 pub struct BatchStats {
     /// Prompt tokens prefilled.
     pub prefill_tokens: usize,
+    /// Prompt tokens restored from the prompt cache instead.
+    pub reused_tokens: usize,
     /// Wall time of admissions (prefill, until the first tokens exist).
     pub prefill_time: Duration,
     /// Tokens emitted.
@@ -70,6 +78,7 @@ pub struct BatchStats {
 struct Active {
     id: SeqId,
     prompt_len: usize,
+    reused: usize,
     max_tokens: usize,
     stop_ids: BTreeSet<u32>,
     sampler: Sampler,
@@ -111,7 +120,7 @@ pub struct BatchGenerator<'g> {
 impl<'g> BatchGenerator<'g> {
     /// A batch of at most `max_batch` sequences in flight on `gen`'s model
     /// (its compiled decoder and prefill step are used; its prompt cache
-    /// is not).
+    /// serves the requests whose options ask for it).
     pub fn new(gen: &'g mut Generator, max_batch: usize) -> Result<Self> {
         if max_batch == 0 {
             return Err(Error::invalid("max_batch", "must be at least 1"));
@@ -227,6 +236,7 @@ impl<'g> BatchGenerator<'g> {
                     Ok(BatchOutput {
                         tokens: Vec::new(),
                         prompt_tokens: prompt.len(),
+                        reused_tokens: 0,
                         finish: Finish::Cancelled,
                     }),
                 ));
@@ -284,12 +294,29 @@ impl<'g> BatchGenerator<'g> {
             return Ok(());
         }
         let started = Instant::now();
-        let prompts: Vec<&[u32]> = group.iter().map(|g| g.1.as_slice()).collect();
-        let prefilled = self.prefill_group(&prompts)?;
+        // Requests that use the prompt cache restore their longest cached
+        // prefix and prefill the rest on their own; the others are
+        // prefilled together.
+        let (cached, fresh): (Vec<usize>, Vec<usize>) =
+            (0..group.len()).partition(|&i| group[i].2.use_prompt_cache);
+        let prompts: Vec<&[u32]> = fresh.iter().map(|&i| group[i].1.as_slice()).collect();
+        let mut prefilled: Vec<Option<(ModelCache, Array, usize)>> =
+            (0..group.len()).map(|_| None).collect();
+        for (&i, (c, l)) in fresh.iter().zip(self.prefill_group(&prompts)?) {
+            prefilled[i] = Some((c, l, 0));
+        }
+        for &i in &cached {
+            prefilled[i] = Some(self.prefill_cached(&group[i].1)?);
+        }
+        let prefilled: Vec<(ModelCache, Array, usize)> = prefilled
+            .into_iter()
+            .map(|p| p.expect("every request prefilled"))
+            .collect();
         self.ensure_rows(self.active() + group.len())?;
         let limit = self.gen.model.max_context.unwrap_or(usize::MAX);
         let mut firsts = Vec::with_capacity(group.len());
-        for ((id, prompt, opts, mut sampler), (single, logits)) in group.into_iter().zip(prefilled)
+        for ((id, prompt, opts, mut sampler), (single, logits, reused)) in
+            group.into_iter().zip(prefilled)
         {
             let row = self
                 .slots
@@ -316,10 +343,12 @@ impl<'g> BatchGenerator<'g> {
             let next = self.next.as_mut().expect("ensure_rows made the tokens");
             let r = row as i32;
             next.try_index_mut(r..r + 1, &first)?;
-            self.stats.prefill_tokens += prompt.len();
+            self.stats.prefill_tokens += prompt.len() - reused;
+            self.stats.reused_tokens += reused;
             self.slots[row] = Some(Active {
                 id,
                 prompt_len: prompt.len(),
+                reused,
                 max_tokens: opts.max_tokens,
                 stop_ids: opts.stop_ids.clone(),
                 sampler,
@@ -332,6 +361,29 @@ impl<'g> BatchGenerator<'g> {
         self.stats.prefill_time += started.elapsed();
         self.stats.peak_active = self.stats.peak_active.max(self.active());
         Ok(())
+    }
+
+    /// One prompt through the prompt cache: the deepest cached prefix is
+    /// restored, the rest prefilled (recurrent state snapshotted every
+    /// `checkpoint_every` tokens), and the prompt recorded for later
+    /// requests. Returns its batch-1 caches, last logits and reused count.
+    fn prefill_cached(&mut self, prompt: &[u32]) -> Result<(ModelCache, Array, usize)> {
+        let g = &mut *self.gen;
+        let (mut cache, reused) = match g.prompt_cache.lookup(prompt) {
+            Some(h) => (h.cache, h.reused),
+            None => (g.model.make_cache(1)?, 0),
+        };
+        let recurrent = cache.layers.iter().flatten().any(|c| !c.grows());
+        let mut checkpoints = Vec::new();
+        let logits = g.prefill(
+            &prompt[reused..],
+            reused,
+            &mut cache,
+            recurrent.then_some(&mut checkpoints),
+        )?;
+        checkpoints.push((prompt.len(), mlex_cache::StateSnapshot::of(&cache)));
+        g.prompt_cache.insert(prompt, cache.clone(), checkpoints);
+        Ok((cache, logits, reused))
     }
 
     /// Staircase prefill of several prompts: per prompt (in the given
@@ -504,6 +556,7 @@ impl<'g> BatchGenerator<'g> {
                     Ok(BatchOutput {
                         tokens: a.out,
                         prompt_tokens: a.prompt_len,
+                        reused_tokens: a.reused,
                         finish,
                     }),
                 ));

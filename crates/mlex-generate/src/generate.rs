@@ -182,7 +182,7 @@ impl Generator {
     /// at every absolute multiple of `checkpoint_every` before the end (the
     /// step is cut there; the snapshot holds arrays the next evaluation
     /// computes anyway, so it costs their memory, not compute).
-    fn prefill(
+    pub(crate) fn prefill(
         &mut self,
         tokens: &[u32],
         start: usize,

@@ -22,5 +22,7 @@ pub use detok::StreamingDetokenizer;
 pub use generate::{
     Finish, Flow, GenerateOptions, Generation, Generator, DEFAULT_CHECKPOINT_EVERY,
 };
+/// The prompt cache a [`Generator`] and a [`BatchGenerator`] reuse prefixes from.
+pub use mlex_cache::PromptCache;
 pub use sampler::{Sampler, SamplerConfig};
 pub use tokenizer::Tokenizer;

@@ -329,3 +329,39 @@ fn one_token_prompt_in_a_hybrid_batch_by_configuration() {
     }
     assert!(bad.is_empty(), "{bad:?}");
 }
+
+/// Batched requests that use the prompt cache: the second of two prompts
+/// sharing 40 tokens restores the deepest checkpoint before token 40 (every
+/// 16 here) and computes only the rest, on a hybrid and on an attention-only
+/// model, and both equal cold one-at-a-time runs.
+#[test]
+fn batched_requests_reuse_a_shared_prefix_through_the_prompt_cache() {
+    for name in ["qwen3_5-f32", "llama-f32"] {
+        let f = fixture(name);
+        let mut g = generator(&f, true);
+        g.checkpoint_every = 16;
+        let vocab = g.model.vocab_size() as u32;
+        let shared = ids(77, 40, vocab);
+        let mut a = shared.clone();
+        a.extend(ids(78, 9, vocab));
+        let mut b = shared.clone();
+        b.extend(ids(79, 13, vocab));
+        let want = one_at_a_time(&mut g, &[a.clone(), b.clone()]);
+        let cached = |n| GenerateOptions {
+            use_prompt_cache: true,
+            ..opts(n)
+        };
+        let mut e = BatchGenerator::new(&mut g, 4).unwrap();
+        e.submit(a.clone(), cached(max_tokens(0)));
+        let first = e.run(&mut |_, _| Ok(Flow::Continue)).unwrap();
+        e.submit(b.clone(), cached(max_tokens(1)));
+        let second = e.run(&mut |_, _| Ok(Flow::Continue)).unwrap();
+        let (ra, rb) = (first[0].1.as_ref().unwrap(), second[0].1.as_ref().unwrap());
+        assert_eq!(ra.reused_tokens, 0, "{name}");
+        assert_eq!(ra.tokens, want[0], "{name}");
+        // Recurrent state restores at a checkpoint (32); KV trims anywhere (40).
+        let expect = if name.starts_with("qwen3_5") { 32 } else { 40 };
+        assert_eq!(rb.reused_tokens, expect, "{name}");
+        assert_eq!(rb.tokens, want[1], "{name}");
+    }
+}

@@ -45,6 +45,8 @@ pub enum Event {
         finish: Finish,
         /// Prompt tokens.
         prompt_tokens: usize,
+        /// Prompt tokens restored from the prompt cache.
+        cached_tokens: usize,
         /// Generated tokens.
         completion_tokens: usize,
     },
@@ -139,6 +141,9 @@ pub fn run(
                     };
                     let mut opts = job.opts;
                     opts.stop_ids = tok.eos_ids.clone();
+                    // Shared prefixes (system prompts, earlier turns) come
+                    // from the prompt cache, hybrids included.
+                    opts.use_prompt_cache = true;
                     let hold = job
                         .stops
                         .iter()
@@ -210,6 +215,9 @@ pub fn run(
         metrics
             .prefill_computed
             .inc_by((after.prefill_tokens - before.prefill_tokens) as u64);
+        metrics
+            .prefill_reused
+            .inc_by((after.reused_tokens - before.reused_tokens) as u64);
         let generated = (after.generated_tokens - before.generated_tokens) as u64;
         metrics.generated.inc_by(generated);
         if generated > 0 {
@@ -232,9 +240,18 @@ pub fn run(
                             .events
                             .send(Event::Text(run.text[run.sent..].to_owned()));
                     }
+                    eprintln!(
+                        "mlex serve: request {id}: {} prompt tokens ({} reused, {} computed), {} generated, {}",
+                        out.prompt_tokens,
+                        out.reused_tokens,
+                        out.prompt_tokens - out.reused_tokens,
+                        out.tokens.len(),
+                        out.finish.as_str()
+                    );
                     let _ = run.events.send(Event::Done {
                         finish: out.finish,
                         prompt_tokens: out.prompt_tokens,
+                        cached_tokens: out.reused_tokens,
                         completion_tokens: out.tokens.len(),
                     });
                 }

@@ -15,6 +15,12 @@
 //!   (or Ctrl-C) stops accepting, lets what is in flight finish (cancelled
 //!   after the shutdown timeout) and returns.
 //!
+//! - Requests that share a prefix (a system prompt, earlier turns) restore
+//!   it from the prompt cache under `prompt_cache_bytes`, hybrids included
+//!   (recurrent-state checkpoints); the reused count is in the metrics, in
+//!   `usage.prompt_tokens_details.cached_tokens` and in a log line per
+//!   request.
+//!
 //! The request fields honoured and refused are listed in [`api`].
 #![warn(missing_docs)]
 
@@ -62,6 +68,8 @@ pub struct ServeConfig {
     /// After SIGTERM, how long in-flight requests may run before they are
     /// cancelled.
     pub shutdown_timeout: Duration,
+    /// Byte budget of the prompt cache that shares prefixes across requests.
+    pub prompt_cache_bytes: usize,
 }
 
 /// What the engine thread serves: built on that thread by the loader given
@@ -340,6 +348,7 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Bytes, kind: Kind)
                 Some(Event::Done {
                     finish,
                     prompt_tokens,
+                    cached_tokens,
                     completion_tokens,
                 }) => {
                     drop(slot);
@@ -347,6 +356,7 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Bytes, kind: Kind)
                         "prompt_tokens": prompt_tokens,
                         "completion_tokens": completion_tokens,
                         "total_tokens": prompt_tokens + completion_tokens,
+                        "prompt_tokens_details": {"cached_tokens": cached_tokens},
                     });
                     let choice = match kind {
                         Kind::Chat => {
@@ -426,6 +436,7 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Bytes, kind: Kind)
                 Event::Done {
                     finish,
                     prompt_tokens,
+                    cached_tokens,
                     completion_tokens,
                 } => {
                     let _ = out
@@ -435,7 +446,8 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Bytes, kind: Kind)
                         let usage = json!({
                             "id": id, "object": object, "created": created, "model": model, "choices": [],
                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                      "total_tokens": prompt_tokens + completion_tokens},
+                                      "total_tokens": prompt_tokens + completion_tokens,
+                                      "prompt_tokens_details": {"cached_tokens": cached_tokens}},
                         });
                         let _ = out
                             .send(Ok(SseEvent::default().data(usage.to_string())))
@@ -515,6 +527,7 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
     let (ready_tx, ready_rx) = mpsc::channel::<Result<usize>>();
     let engine_metrics = metrics.clone();
     let batch = cfg.batch;
+    let cache_bytes = cfg.prompt_cache_bytes;
     let engine = std::thread::spawn(move || -> Result<()> {
         let loaded = match load() {
             Ok(l) => l,
@@ -524,13 +537,9 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
             }
         };
         let _ = ready_tx.send(Ok(loaded.generator.model.vocab_size() as usize));
-        engine::run(
-            loaded.generator,
-            loaded.tokenizer,
-            batch,
-            rx,
-            engine_metrics,
-        )
+        let mut generator = loaded.generator;
+        generator.prompt_cache = mlex_generate::PromptCache::new(64, cache_bytes);
+        engine::run(generator, loaded.tokenizer, batch, rx, engine_metrics)
     });
     let vocab = ready_rx
         .recv()

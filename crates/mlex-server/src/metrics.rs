@@ -22,8 +22,7 @@ pub struct Metrics {
     pub active: Gauge,
     /// Prompt tokens computed by prefill.
     pub prefill_computed: Counter,
-    /// Prompt tokens restored from the prompt cache instead (none yet: the
-    /// server does not reuse prefixes).
+    /// Prompt tokens restored from the prompt cache instead.
     pub prefill_reused: Counter,
     /// Tokens generated.
     pub generated: Counter,

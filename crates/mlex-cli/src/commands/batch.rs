@@ -139,7 +139,9 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
         Err(_) if a.ids => None,
         Err(e) => return Err(e),
     };
-    let base = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
+    let mut base = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
+    // Prefilled together (the staircase), not through the prompt cache.
+    base.use_prompt_cache = false;
     let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
     if let Some(n) = a.model.prefill_chunk {
         generator.prefill_chunk = n as usize;

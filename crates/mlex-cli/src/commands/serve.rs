@@ -22,6 +22,7 @@ pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
         model_id,
         default_max_tokens: a.default_max_tokens as usize,
         shutdown_timeout: Duration::from_secs(a.shutdown_timeout),
+        prompt_cache_bytes: a.prompt_cache_bytes,
     };
     let model_args = a.model.clone();
     // The model lives on the engine thread: MLX arrays and compiled traces
@@ -34,6 +35,7 @@ pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
         if let Some(n) = model_args.prefill_chunk {
             generator.prefill_chunk = n as usize;
         }
+        generator.checkpoint_every = model_args.checkpoint_every;
         Ok(Loaded {
             generator,
             tokenizer,

@@ -73,6 +73,21 @@ fn post(s: &Server, path: &str, key: Option<&str>, body: &Value) -> (u16, Value)
     )
 }
 
+fn post_raw(s: &Server, path: &str, body: Vec<u8>) -> (u16, Value) {
+    let mut resp = agent()
+        .post(format!("{}{path}", s.base))
+        .header("Authorization", "Bearer k")
+        .header("Content-Type", "application/json")
+        .send(&body[..])
+        .unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.body_mut().read_to_string().unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
 fn get_text(s: &Server, path: &str, key: Option<&str>) -> (u16, String) {
     let mut req = agent().get(format!("{}{path}", s.base));
     if let Some(k) = key {
@@ -249,6 +264,18 @@ fn chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx() {
     }
     let (code, _) = post(&s, "/v1/nothing", Some("k"), &json!({}));
     assert_eq!(code, 404);
+    // Bodies that are not JSON, not UTF-8, or too large: 4xx in OpenAI's format.
+    for (body, status) in [
+        (b"{\"messages\": [".to_vec(), 400),
+        (vec![b'{', 0xff, 0xfe, b'}'], 400),
+        (vec![b' '; 5 << 20], 413),
+    ] {
+        let (code, v) = post_raw(&s, "/v1/chat/completions", body);
+        assert_eq!(code, status, "{v}");
+        assert!(v["error"]["message"].is_string(), "{v}");
+        let (code, v) = post(&s, "/v1/chat/completions", Some("k"), &req);
+        assert_eq!(code, 200, "the server keeps serving: {v}");
+    }
     let (code, v) = post(&s, "/v1/chat/completions", Some("k"), &req);
     assert_eq!(
         (code, v["choices"][0]["message"]["content"].as_str()),

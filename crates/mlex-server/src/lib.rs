@@ -30,6 +30,7 @@ pub mod metrics;
 
 use api::{ChatRequest, Common, CompletionRequest};
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -87,6 +88,7 @@ struct AppState {
     metrics: Arc<Metrics>,
     in_flight: AtomicUsize,
     vocab: usize,
+    max_context: Option<usize>,
     next_id: AtomicU64,
 }
 
@@ -179,6 +181,13 @@ fn options(
     if max_tokens == 0 {
         return Err(Refusal::bad("`max_tokens` must be at least 1"));
     }
+    if let Some(ctx) = s.max_context {
+        if max_tokens > ctx {
+            return Err(Refusal::bad(format!(
+                "`max_tokens` {max_tokens} exceeds the model's context of {ctx} tokens"
+            )));
+        }
+    }
     let d = SamplerConfig::default();
     let temp = c.temperature.unwrap_or(d.temp);
     if !temp.is_finite() || temp < 0.0 {
@@ -255,21 +264,65 @@ enum Kind {
     Completion,
 }
 
-async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Bytes, kind: Kind) -> Response {
+/// The chat roles accepted (`developer` is OpenAI's newer `system`).
+const ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
+
+/// Largest request body accepted.
+const MAX_BODY_BYTES: usize = 4 << 20;
+
+async fn generate(
+    s: Arc<AppState>,
+    headers: HeaderMap,
+    body: std::result::Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Response {
     if let Some(r) = check_auth(&s, &headers) {
         return r;
     }
     s.metrics.requests.inc();
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            s.metrics.rejected.inc();
+            return error(e.status(), "invalid_request_error", e.body_text());
+        }
+    };
     let parsed = match kind {
-        Kind::Chat => parse::<ChatRequest>(&body).map(|r| {
-            let max = r.max_completion_tokens.or(r.common.max_tokens);
-            let msgs = r
-                .messages
-                .into_iter()
-                .map(|m| Message::new(&m.role, &m.content))
-                .collect();
-            (Prompt::Chat(msgs), r.common, max)
-        }),
+        Kind::Chat => parse::<ChatRequest>(&body)
+            .and_then(|r| {
+                if let Some((i, m)) = r
+                    .messages
+                    .iter()
+                    .enumerate()
+                    .find(|(_, m)| !ROLES.contains(&m.role.as_str()))
+                {
+                    return Err(format!(
+                        "`messages[{i}].role`: `{}` is not one of {}",
+                        m.role,
+                        ROLES.join(", ")
+                    ));
+                }
+                if r.messages.is_empty() {
+                    return Err("`messages` is empty".into());
+                }
+                Ok(r)
+            })
+            .map(|r| {
+                let max = r.max_completion_tokens.or(r.common.max_tokens);
+                let msgs = r
+                    .messages
+                    .into_iter()
+                    .map(|m| {
+                        let role = if m.role == "developer" {
+                            "system"
+                        } else {
+                            m.role.as_str()
+                        };
+                        Message::new(role, &m.content)
+                    })
+                    .collect();
+                (Prompt::Chat(msgs), r.common, max)
+            }),
         Kind::Completion => parse::<CompletionRequest>(&body).map(|r| {
             let max = r.common.max_tokens;
             (Prompt::Text(r.prompt), r.common, max)
@@ -472,11 +525,19 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Bytes, kind: Kind)
         .into_response()
 }
 
-async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
     generate(s, headers, body, Kind::Chat).await
 }
 
-async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: std::result::Result<Bytes, BytesRejection>,
+) -> Response {
     generate(s, headers, body, Kind::Completion).await
 }
 
@@ -524,7 +585,7 @@ async fn not_found() -> Response {
 pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>) -> Result<()> {
     let metrics = Arc::new(Metrics::default());
     let (jobs, rx) = mpsc::channel::<Msg>();
-    let (ready_tx, ready_rx) = mpsc::channel::<Result<usize>>();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(usize, Option<usize>)>>();
     let engine_metrics = metrics.clone();
     let batch = cfg.batch;
     let cache_bytes = cfg.prompt_cache_bytes;
@@ -536,12 +597,13 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
                 return Ok(());
             }
         };
-        let _ = ready_tx.send(Ok(loaded.generator.model.vocab_size() as usize));
+        let m = &loaded.generator.model;
+        let _ = ready_tx.send(Ok((m.vocab_size() as usize, m.max_context)));
         let mut generator = loaded.generator;
         generator.prompt_cache = mlex_generate::PromptCache::new(64, cache_bytes);
         engine::run(generator, loaded.tokenizer, batch, rx, engine_metrics)
     });
-    let vocab = ready_rx
+    let (vocab, max_context) = ready_rx
         .recv()
         .map_err(|_| Error::Other("the engine thread ended while loading".into()))??;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -556,6 +618,7 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
         metrics,
         in_flight: AtomicUsize::new(0),
         vocab,
+        max_context,
         next_id: AtomicU64::new(0),
     });
     let cancel = jobs.clone();
@@ -579,6 +642,7 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
             .route("/health", get(health))
             .route("/metrics", get(metrics_text))
             .fallback(not_found)
+            .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
             .with_state(state);
         let shutdown = async move {
             stop_signal().await;

@@ -17,7 +17,7 @@
 //! ([`BatchKvCache::select_rows`]). mlx-lm's `BatchKVCache` uses the same
 //! left-padded layout but filters rows (a copy) on every departure.
 
-use crate::kv::KV_STEP;
+use crate::kv::{no_fixed_state, KV_STEP};
 use mlex_core::cache::{AttentionMask, Cache, CacheTensors, KvAccess};
 use mlex_core::error::{Error, Result};
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
@@ -271,11 +271,7 @@ impl Cache for BatchKvCache {
         Vec::new()
     }
     fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
-        if state.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::Cache("a KV cache has no fixed-size state".into()))
-        }
+        no_fixed_state(state)
     }
     fn advance(&mut self, _n: usize) {}
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {

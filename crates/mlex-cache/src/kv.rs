@@ -45,7 +45,7 @@ fn full_cache_mask(n: usize) -> AttentionMask {
 }
 
 /// KV caches keep no fixed-size state.
-fn no_fixed_state(state: Vec<Array>) -> Result<()> {
+pub(crate) fn no_fixed_state(state: Vec<Array>) -> Result<()> {
     if state.is_empty() {
         Ok(())
     } else {

@@ -5,7 +5,7 @@ use crate::args::{ModelArgs, SamplingArgs};
 use indicatif::{ProgressBar, ProgressStyle};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
-use mlex_generate::{GenerateOptions, Message, SamplerConfig, Tokenizer};
+use mlex_generate::{GenerateOptions, SamplerConfig, Tokenizer};
 use mlex_models::load::{LoadedModel, ModelSource};
 use std::io::IsTerminal;
 
@@ -131,24 +131,6 @@ pub fn generate_options(
     })
 }
 
-/// The token ids of a chat (template applied) or of raw text.
-pub fn chat_tokens(
-    tokenizer: &Tokenizer,
-    messages: &[Message],
-    use_template: bool,
-) -> Result<Vec<u32>> {
-    match (&tokenizer.chat_template, use_template) {
-        (Some(t), true) => {
-            let text = t.render(messages, true)?;
-            tokenizer.encode(&text, false)
-        }
-        _ => {
-            let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
-            tokenizer.encode(&text.join("\n"), tokenizer.add_bos)
-        }
-    }
-}
-
 /// Shared model options → the compile policy (`None`: eager decode).
 pub fn compile(m: &ModelArgs) -> Option<mlex_compile::CompilePolicy> {
     match (m.no_compile, m.compile_recurrent) {
@@ -156,15 +138,6 @@ pub fn compile(m: &ModelArgs) -> Option<mlex_compile::CompilePolicy> {
         (false, true) => Some(mlex_compile::CompilePolicy::Recurrent),
         (false, false) => Some(mlex_compile::CompilePolicy::All),
     }
-}
-
-/// Text the user sees for a stop-string cut: everything before the stop.
-pub fn cut_at_stop(text: &str, stops: &[String]) -> Option<usize> {
-    stops
-        .iter()
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| text.find(s.as_str()))
-        .min()
 }
 
 /// The prompt-cache file of this model in `dir` (`<fingerprint>.safetensors`),

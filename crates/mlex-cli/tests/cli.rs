@@ -304,15 +304,7 @@ fn bad_options_and_inputs_are_clear_errors() {
         .clone();
     assert!(String::from_utf8_lossy(&out).contains("/no/such/model"));
     // A prompt longer than the context.
-    let dir = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&p).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
-    }
-    let cfg = dir.path().join("config.json");
-    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
-    v["max_position_embeddings"] = 8.into();
-    std::fs::write(&cfg, v.to_string()).unwrap();
+    let dir = copy_with_config(&p, |v| v["max_position_embeddings"] = 8.into());
     let out = mlex()
         .args([
             "generate",
@@ -778,15 +770,7 @@ fn single_greedy(model: &std::path::Path, ids: &str, max_tokens: &str) -> Value 
 fn a_prompts_file_decodes_together_and_fails_only_its_bad_lines() {
     // A copy with a context of 24 tokens, so one line can exceed it.
     let src = fixture_path("qwen3-f32");
-    let dir = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
-    }
-    let cfg = dir.path().join("config.json");
-    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
-    v["max_position_embeddings"] = 24.into();
-    std::fs::write(&cfg, v.to_string()).unwrap();
+    let dir = copy_with_config(&src, |v| v["max_position_embeddings"] = 24.into());
     let long: Vec<String> = (1..=30).map(|i| i.to_string()).collect();
     let lines = [
         "1,2,3,4,5".to_owned(),

@@ -96,12 +96,19 @@ pub fn set_dense_matmul_override(f: DenseMatmul) {
 /// `x @ w^T` for a dense `[out, in]` weight, through the installed
 /// [`DenseMatmul`] when it takes the shape.
 pub fn dense_matmul(x: &Array, w: &Array) -> Result<Array> {
-    if let Some(f) = DENSE_MATMUL.get() {
-        if let Some(y) = f(x, w)? {
-            return Ok(y);
-        }
+    match dense_override(x, w)? {
+        Some(y) => Ok(y),
+        None => Ok(ops::matmul(x, w.t())?),
     }
-    Ok(ops::matmul(x, w.t())?)
+}
+
+/// The installed [`DenseMatmul`]'s product, when there is one and it takes
+/// the shape.
+fn dense_override(x: &Array, w: &Array) -> Result<Option<Array>> {
+    match DENSE_MATMUL.get() {
+        Some(f) => f(x, w),
+        None => Ok(None),
+    }
 }
 
 impl Linear {
@@ -157,7 +164,7 @@ impl Linear {
         match &self.quant {
             None => match self.bias {
                 // mlx.nn.Linear uses addmm when it has a bias.
-                Some(b) => match DENSE_MATMUL.get().map(|f| f(x, w)).transpose()?.flatten() {
+                Some(b) => match dense_override(x, w)? {
                     Some(y) => Ok(ops::add(&y, p.get(b)?)?),
                     None => Ok(ops::addmm(p.get(b)?, x, w.t(), 1.0, 1.0)?),
                 },

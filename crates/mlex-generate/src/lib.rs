@@ -14,6 +14,7 @@ pub mod chat;
 pub mod detok;
 pub mod generate;
 pub mod sampler;
+pub mod stop;
 pub mod tokenizer;
 
 pub use batch::{BatchGenerator, BatchOutput, BatchStats, SeqId};
@@ -25,4 +26,5 @@ pub use generate::{
 /// The prompt cache a [`Generator`] and a [`BatchGenerator`] reuse prefixes from.
 pub use mlex_cache::PromptCache;
 pub use sampler::{Sampler, SamplerConfig};
+pub use stop::{cut_at_stop, shown_len};
 pub use tokenizer::Tokenizer;

@@ -216,6 +216,23 @@ impl Tokenizer {
         }
     }
 
+    /// The ids of a chat: the messages through the chat template (with the
+    /// generation prompt), or, without a template or with `use_template`
+    /// false, their contents joined by newlines as raw text.
+    pub fn chat_ids(
+        &self,
+        messages: &[crate::chat::Message],
+        use_template: bool,
+    ) -> Result<Vec<u32>> {
+        match (&self.chat_template, use_template) {
+            (Some(t), true) => self.encode(&t.render(messages, true)?, false),
+            _ => {
+                let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+                self.encode(&text.join("\n"), self.add_bos)
+            }
+        }
+    }
+
     /// Token ids of `text`; special-token text is matched as such.
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
         let enc = self

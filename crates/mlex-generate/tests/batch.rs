@@ -19,19 +19,6 @@ fn opts(max_tokens: usize) -> GenerateOptions {
     }
 }
 
-/// Deterministic ids in `[0, vocab)`.
-fn ids(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect()
-}
-
 fn generator(f: &Fixture, compile: bool) -> Generator {
     let registry = mlex_models::registry().unwrap();
     let loaded = load(path_of(f).to_str().unwrap(), registry).unwrap();
@@ -63,7 +50,7 @@ fn prompts(vocab: u32) -> Vec<Vec<u32>> {
     LENGTHS
         .iter()
         .enumerate()
-        .map(|(i, &n)| ids(i as u64 + 1, n, vocab))
+        .map(|(i, &n)| random_ids(i as u64 + 1, n, vocab))
         .collect()
 }
 
@@ -184,16 +171,7 @@ fn margin(g: &Generator, tokens: &[u32], a: u32, b: u32) -> f32 {
 #[test]
 fn a_toml_defined_hybrid_batches_like_the_built_ins() {
     let src = path_of(&fixture("qwen3_next-f32"));
-    let dir = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
-    }
-    let cfg = dir.path().join("config.json");
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
-    v["model_type"] = "batched_toml_hybrid".into();
-    std::fs::write(&cfg, v.to_string()).unwrap();
+    let dir = copy_with_config(&src, |v| v["model_type"] = "batched_toml_hybrid".into());
     let toml = dir.path().join("batched_toml_hybrid.toml");
     std::fs::write(
         &toml,
@@ -341,11 +319,11 @@ fn batched_requests_reuse_a_shared_prefix_through_the_prompt_cache() {
         let mut g = generator(&f, true);
         g.checkpoint_every = 16;
         let vocab = g.model.vocab_size() as u32;
-        let shared = ids(77, 40, vocab);
+        let shared = random_ids(77, 40, vocab);
         let mut a = shared.clone();
-        a.extend(ids(78, 9, vocab));
+        a.extend(random_ids(78, 9, vocab));
         let mut b = shared.clone();
-        b.extend(ids(79, 13, vocab));
+        b.extend(random_ids(79, 13, vocab));
         let want = one_at_a_time(&mut g, &[a.clone(), b.clone()]);
         let cached = |n| GenerateOptions {
             use_prompt_cache: true,

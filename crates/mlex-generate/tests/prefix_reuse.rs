@@ -16,19 +16,6 @@ fn opts(max_tokens: usize, use_prompt_cache: bool) -> GenerateOptions {
     }
 }
 
-/// Deterministic ids in `[0, vocab)`.
-fn ids(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect()
-}
-
 fn generator(f: &Fixture, checkpoint_every: usize) -> Generator {
     let registry = mlex_models::registry().unwrap();
     let loaded = load(path_of(f).to_str().unwrap(), registry).unwrap();
@@ -47,7 +34,7 @@ fn run(g: &mut Generator, prompt: &[u32], n: usize, cached: bool) -> mlex_genera
 /// `base[..d]` followed by other tokens, `len` in all.
 fn diverging(base: &[u32], d: usize, len: usize, vocab: u32) -> Vec<u32> {
     let mut q = base[..d].to_vec();
-    let mut tail = ids(1000 + d as u64, len - d, vocab);
+    let mut tail = random_ids(1000 + d as u64, len - d, vocab);
     if tail[0] == base[d] {
         tail[0] = (tail[0] + 1) % vocab;
     }
@@ -81,7 +68,7 @@ fn a_prompt_diverging_anywhere_continues_as_a_cold_prefill() {
             .iter()
             .flatten()
             .any(|c| !c.grows());
-        let base = ids(7, 300, vocab);
+        let base = random_ids(7, 300, vocab);
         // Inside the first chunk (token 1), inside a chunk, on a chunk
         // boundary, just past one, and at the last token.
         for d in [1, 37, 64, 130, 299] {
@@ -111,7 +98,7 @@ fn a_shared_700_token_prefix_is_not_recomputed() {
         .expect("qwen3_5-f32");
     let mut warm = generator(f, 256);
     let vocab = warm.model.vocab_size() as u32;
-    let first = ids(3, 1000, vocab);
+    let first = random_ids(3, 1000, vocab);
     run(&mut warm, &first, 4, true);
     let second = diverging(&first, 700, 1000, vocab);
     let got = run(&mut warm, &second, 8, true);

@@ -6,8 +6,8 @@
 
 use crate::metrics::Metrics;
 use mlex_generate::{
-    BatchGenerator, Finish, Flow, GenerateOptions, Generator, Message, SeqId, StreamingDetokenizer,
-    Tokenizer,
+    cut_at_stop, shown_len, BatchGenerator, Finish, Flow, GenerateOptions, Generator, Message,
+    SeqId, StreamingDetokenizer, Tokenizer,
 };
 use std::collections::BTreeMap;
 use std::sync::mpsc;
@@ -70,29 +70,13 @@ struct Running<'t> {
     text: String,
     sent: usize,
     stops: Vec<String>,
-    hold: usize,
 }
 
 fn prompt_ids(tok: &Tokenizer, p: &Prompt) -> mlex_core::Result<Vec<u32>> {
     match p {
-        Prompt::Chat(messages) => match &tok.chat_template {
-            Some(t) => tok.encode(&t.render(messages, true)?, false),
-            None => {
-                let text: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
-                tok.encode(&text.join("\n"), tok.add_bos)
-            }
-        },
+        Prompt::Chat(messages) => tok.chat_ids(messages, true),
         Prompt::Text(t) => tok.encode(t, tok.add_bos),
     }
-}
-
-/// Where a stop string starts in `text`, if one appears.
-fn cut_at_stop(text: &str, stops: &[String]) -> Option<usize> {
-    stops
-        .iter()
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| text.find(s.as_str()))
-        .min()
 }
 
 /// Runs the engine until the channel closes or a drain completes.
@@ -144,13 +128,6 @@ pub fn run(
                     // Shared prefixes (system prompts, earlier turns) come
                     // from the prompt cache, hybrids included.
                     opts.use_prompt_cache = true;
-                    let hold = job
-                        .stops
-                        .iter()
-                        .map(|s| s.chars().count())
-                        .max()
-                        .unwrap_or(1)
-                        .saturating_sub(1);
                     let id = engine.submit(ids, opts);
                     running.insert(
                         id,
@@ -160,7 +137,6 @@ pub fn run(
                             text: String::new(),
                             sent: 0,
                             stops: job.stops,
-                            hold,
                         },
                     );
                 }
@@ -181,21 +157,13 @@ pub fn run(
                 return Ok(Flow::Continue);
             };
             r.text.push_str(&r.detok.push(t)?);
-            let mut flow = Flow::Continue;
-            let mut safe = r.text.len();
-            if let Some(cut) = cut_at_stop(&r.text, &r.stops) {
-                r.text.truncate(cut);
-                safe = cut;
-                flow = Flow::Stop;
-            } else {
-                for _ in 0..r.hold {
-                    safe = r.text[..safe]
-                        .char_indices()
-                        .next_back()
-                        .map(|(i, _)| i)
-                        .unwrap_or(0);
+            let (safe, flow) = match cut_at_stop(&r.text, &r.stops) {
+                Some(cut) => {
+                    r.text.truncate(cut);
+                    (cut, Flow::Stop)
                 }
-            }
+                None => (shown_len(&r.text, &r.stops), Flow::Continue),
+            };
             if safe > r.sent {
                 let piece = r.text[r.sent..safe].to_owned();
                 r.sent = safe;

@@ -190,3 +190,37 @@ pub fn tolerance(f: &Fixture) -> f32 {
         _ => 5e-2,
     }
 }
+
+/// A copy of the checkpoint directory `src` in a temporary directory, with
+/// `edit` applied to its `config.json` (a smaller context, another
+/// `model_type`).
+pub fn copy_with_config(
+    src: &Path,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    let cfg = dir.path().join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    dir
+}
+
+/// `n` deterministic pseudo-random token ids in `[0, vocab)`, one stream
+/// per `seed`.
+pub fn random_ids(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}

@@ -2,14 +2,12 @@
 //! batched engine, one output line per prompt as it finishes.
 
 use crate::args::{Format, GenerateArgs};
-use crate::session::{
-    chat_tokens, compile, cut_at_stop, generate_options, load_with, tokenizer_for,
-};
+use crate::session::{compile, generate_options, load_with, tokenizer_for};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{
-    BatchGenerator, Finish, Flow, GenerateOptions, Generator, Message, SeqId, StreamingDetokenizer,
-    Tokenizer,
+    cut_at_stop, BatchGenerator, Finish, Flow, GenerateOptions, Generator, Message, SeqId,
+    StreamingDetokenizer, Tokenizer,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -102,7 +100,7 @@ fn parse_line(
                 messages.push(Message::new("system", s));
             }
             messages.push(Message::new("user", &text));
-            chat_tokens(tok, &messages, !a.no_chat_template)?
+            tok.chat_ids(&messages, !a.no_chat_template)?
         }
         (None, None) => return Err(line_error(file, index, "give `prompt` or `ids`")),
     };

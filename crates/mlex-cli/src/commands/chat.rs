@@ -3,13 +3,10 @@
 //! previous turn's state, so only the new tokens are prefilled.
 
 use crate::args::{ChatArgs, Format};
-use crate::session::{
-    chat_tokens, compile, cut_at_stop, generate_options, load_with, open_prompt_cache,
-    tokenizer_for,
-};
+use crate::session::{compile, generate_options, load_with, open_prompt_cache, tokenizer_for};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
-use mlex_generate::{Flow, Generator, Message, StreamingDetokenizer};
+use mlex_generate::{cut_at_stop, Flow, Generator, Message, StreamingDetokenizer};
 use serde_json::json;
 use std::io::{BufRead, IsTerminal, Write};
 
@@ -66,7 +63,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
             _ => {}
         }
         history.push(Message::new("user", line));
-        let prompt = chat_tokens(&tokenizer, &history, true)?;
+        let prompt = tokenizer.chat_ids(&history, true)?;
         let mut detok = StreamingDetokenizer::new(&tokenizer);
         let mut text = String::new();
         let mut shown = 0;

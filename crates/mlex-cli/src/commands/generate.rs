@@ -1,13 +1,10 @@
 //! `mlex generate`.
 
 use crate::args::{Format, GenerateArgs};
-use crate::session::{
-    chat_tokens, compile, cut_at_stop, generate_options, load_with, open_prompt_cache,
-    tokenizer_for,
-};
+use crate::session::{compile, generate_options, load_with, open_prompt_cache, tokenizer_for};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
-use mlex_generate::{Flow, Generator, Message, StreamingDetokenizer};
+use mlex_generate::{cut_at_stop, shown_len, Flow, Generator, Message, StreamingDetokenizer};
 use serde_json::json;
 use std::io::{Read, Write};
 
@@ -36,7 +33,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
                 messages.push(Message::new("system", s));
             }
             messages.push(Message::new("user", &text));
-            chat_tokens(tok, &messages, !a.no_chat_template)?
+            tok.chat_ids(&messages, !a.no_chat_template)?
         }
         (None, None) => {
             return Err(Error::invalid(
@@ -58,12 +55,6 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     };
     let stream = a.format == Format::Text;
     let stops = a.sampling.stop.clone();
-    let hold = stops
-        .iter()
-        .map(|s| s.chars().count())
-        .max()
-        .unwrap_or(1)
-        .saturating_sub(1);
     let mut detok = tokenizer.as_ref().map(StreamingDetokenizer::new);
     let mut text = String::new();
     let mut shown = 0usize;
@@ -85,14 +76,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
             return Ok(Flow::Stop);
         }
         // Hold back what could still become a stop string.
-        let mut safe = text.len();
-        for _ in 0..hold {
-            safe = text[..safe]
-                .char_indices()
-                .next_back()
-                .map(|(i, _)| i)
-                .unwrap_or(0);
-        }
+        let safe = shown_len(&text, &stops);
         if stream && safe > shown {
             let _ = stdout.write_all(&text.as_bytes()[shown..safe]);
             let _ = stdout.flush();

@@ -893,3 +893,62 @@ fn bench_batch_reports_aggregate_throughput() {
         assert!(v[k].as_f64().unwrap() > 0.0, "{k}: {v}");
     }
 }
+
+#[test]
+fn batch_and_serve_flags_reject_bad_values_clearly() {
+    let p = fixture_path("qwen3-f32");
+    // A prompts file that is not there names the file.
+    let out = mlex()
+        .args([
+            "generate",
+            "--ids",
+            "--prompts-file",
+            "/no/such/prompts.txt",
+            "--model",
+        ])
+        .arg(&p)
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(
+        e.contains("/no/such/prompts.txt") && !e.contains("panicked"),
+        "{e}"
+    );
+    // Zero slots, for generate and bench.
+    for args in [
+        vec!["generate", "--prompts-file", "x.txt", "--batch", "0"],
+        vec!["bench", "--batch", "0"],
+        vec!["serve", "--batch", "0"],
+    ] {
+        let out = mlex()
+            .args(&args)
+            .arg("--model")
+            .arg(&p)
+            .assert()
+            .failure()
+            .get_output()
+            .stderr
+            .clone();
+        let e = String::from_utf8_lossy(&out);
+        assert!(e.contains("--batch"), "{args:?}: {e}");
+    }
+    // A port already taken names the address.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = mlex()
+        .args(["serve", "--port", &port, "--model"])
+        .arg(fixture_path("smollm2-gguf"))
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(
+        e.contains(&format!("127.0.0.1:{port}")) && e.contains("--port"),
+        "{e}"
+    );
+}

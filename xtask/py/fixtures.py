@@ -44,6 +44,7 @@ import io
 import json
 import re
 import shutil
+import sys
 import tempfile
 import time
 import zlib
@@ -1158,6 +1159,56 @@ def make_smollm2_fixtures(out: Path, gguf_path: Path) -> list[dict]:
     ]
 
 
+def make_chat_fixture(out: Path, gguf_path: Path) -> list[dict]:
+    """A tiny Qwen3-shaped model (random f32 weights) with a real tokenizer
+    and chat template, SmolLM2's, so servers and clients that need text can
+    run on a model small enough to load-test on a laptop CPU. Writes
+    tokenizer.json and tokenizer_config.json as Hugging Face does, so
+    mlx-lm (through transformers) and mlex read the same files."""
+    name = "qwen3-chat"
+    _, _, meta = gguf_llama_config(gguf_path)
+    tok = gguf_tokenizer(meta)
+    tokens = meta["tokenizer.ggml.tokens"]
+    eos = int(meta["tokenizer.ggml.eos_token_id"].item())
+    cfg = dict(qwen3_config(), vocab_size=len(tokens), eos_token_id=eos)
+    model = random_model(cfg, seed_for(name))
+    path = reset_dir(out / name)
+    save_model(path, model)
+    save_config(cfg, path / "config.json")
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": meta["tokenizer.chat_template"],
+                "eos_token": tokens[eos],
+                "bos_token": None,
+                "pad_token": tokens[eos],
+                "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": cfg["max_position_embeddings"],
+            },
+            indent=2,
+        )
+    )
+    prompt = chat_prompt(meta, tok, SMOLLM2_QUESTION)
+    ref = write_reference(path, prompt, path / "reference.safetensors")
+    summarize(name, get_total_parameters(model), ref)
+    return [
+        manifest_entry(
+            name,
+            "qwen3",
+            "float32",
+            None,
+            "mlx",
+            name,
+            "tiny qwen3 (random weights) with SmolLM2-135M-Instruct's tokenizer and chat template, "
+            "for server and client tests",
+            **reference_facts(ref),
+        )
+    ]
+
+
 # --------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------
@@ -1176,6 +1227,7 @@ def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
     fixtures += [Fixture(f"gguf-{k}", lambda out, k=k: [make_gguf_fixture(out, k)]) for k in GGUF_TYPES]
     if smollm2_gguf is not None:
         fixtures.append(Fixture("smollm2-export", lambda out: make_smollm2_fixtures(out, smollm2_gguf)))
+        fixtures.append(Fixture("qwen3-chat", lambda out: make_chat_fixture(out, smollm2_gguf)))
     return fixtures
 
 
@@ -1206,6 +1258,9 @@ def write_manifest(out: Path, entries: list[dict], merge: bool) -> None:
     by_name.update({e["name"]: e for e in entries})
     manifest = {
         "fixtures": [by_name[n] for n in sorted(by_name)],
+        # The reference venv's interpreter, for tests that drive Python
+        # clients (the openai client against `mlex serve`).
+        "python": sys.executable,
         "versions": {
             "mlx": mx.__version__,
             "mlx_lm": mlx_lm.__version__,

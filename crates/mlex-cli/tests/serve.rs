@@ -1,5 +1,7 @@
 //! `mlex serve` end to end: a real server process on a free loopback port,
-//! SmolLM2-135M-Instruct (the GGUF fixture), requests over HTTP.
+//! SmolLM2-135M-Instruct (the GGUF fixture) or a tiny Qwen3 with SmolLM2's
+//! tokenizer, requests over HTTP from Rust and from the real `openai`
+//! Python client.
 
 use mlex_testkit::*;
 use serde_json::{json, Value};
@@ -19,12 +21,18 @@ impl Drop for Server {
     }
 }
 
-/// Starts `mlex serve` and waits for the line that names its address.
+/// Starts `mlex serve` on SmolLM2 and waits for the line that names its
+/// address.
 fn start(extra: &[&str]) -> Server {
-    let model = path_of(&fixture("smollm2-gguf"));
+    start_on(&path_of(&fixture("smollm2-gguf")), extra)
+}
+
+/// Starts `mlex serve` on `model` and waits for the line that names its
+/// address.
+fn start_on(model: &std::path::Path, extra: &[&str]) -> Server {
     let mut child = Command::new(assert_cmd::cargo::cargo_bin("mlex"))
         .args(["serve", "--port", "0", "--model"])
-        .arg(&model)
+        .arg(model)
         .args(extra)
         .env_remove("MLEX_API_KEY")
         .stdout(Stdio::null())
@@ -421,4 +429,82 @@ fn concurrent_requests_decode_together() {
         std::thread::yield_now();
     }
     assert_eq!(metric(&s, "mlex_queue_depth"), 0.0);
+}
+
+/// Runs one of the repository's Python scripts with the reference venv's
+/// Python (which has the `openai` client); panics with its output unless it
+/// exits 0.
+fn python(script: &str, args: &[&str]) -> String {
+    let (py, scripts) = reference_python();
+    let out = Command::new(py)
+        .arg(scripts.join(script))
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{script} failed:\n{text}");
+    text
+}
+
+/// The real `openai` client: models, chat and completions streamed and not
+/// (streamed text equal to the non-streamed), usage, stop strings, a stream
+/// closed mid-way, an unknown model (`xtask/py/openai_check.py`), on the
+/// tiny Qwen3 and on SmolLM2.
+#[test]
+fn the_openai_python_client_gets_consistent_answers() {
+    for (name, model_id) in [
+        ("qwen3-chat", "qwen3-chat"),
+        ("smollm2-gguf", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ] {
+        let s = start_on(&path_of(&fixture(name)), &[]);
+        let out = python(
+            "openai_check.py",
+            &["--base-url", &format!("{}/v1", s.base), "--model", model_id],
+        );
+        eprintln!("{name}:\n{out}");
+        assert!(out.contains("all checks passed"), "{name}: {out}");
+    }
+}
+
+/// 32 concurrent `openai` clients x 20 streamed greedy requests on loopback
+/// (`xtask/py/serve_load.py`): no request fails, and every answer equals
+/// the same server's answer to that prompt one at a time.
+#[test]
+fn thirty_two_concurrent_clients_get_the_answers_of_one_at_a_time() {
+    let mlex = assert_cmd::cargo::cargo_bin("mlex");
+    let model = path_of(&fixture("qwen3-chat"));
+    let logs = tempfile::tempdir().unwrap();
+    let out = python(
+        "serve_load.py",
+        &[
+            "--engines",
+            "mlex",
+            "--mlex",
+            mlex.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--clients",
+            "32",
+            "--requests",
+            "20",
+            "--max-tokens",
+            "16",
+            "--distinct",
+            "32",
+            "--timeout",
+            "120",
+            "--logs",
+            logs.path().to_str().unwrap(),
+            "--check",
+        ],
+    );
+    eprintln!("{out}");
+    assert!(
+        out.contains("640 ok, 0 errors, 0 differ"),
+        "every request answered as one at a time: {out}"
+    );
 }

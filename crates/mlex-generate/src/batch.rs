@@ -67,6 +67,13 @@ pub struct BatchStats {
     pub reused_tokens: usize,
     /// Wall time of admissions (prefill, until the first tokens exist).
     pub prefill_time: Duration,
+    /// Wall time of decode steps (graph building, waiting for the device,
+    /// handing out tokens, compaction), admissions excluded.
+    pub decode_time: Duration,
+    /// Of `decode_time`, the time spent waiting for a step's tokens.
+    pub wait_time: Duration,
+    /// Of `decode_time`, the time spent in the caller's token callbacks.
+    pub callback_time: Duration,
     /// Tokens emitted.
     pub generated_tokens: usize,
     /// Decode steps run.
@@ -209,6 +216,7 @@ impl<'g> BatchGenerator<'g> {
             self.release();
             return Ok(std::mem::take(&mut self.finished));
         }
+        let started = Instant::now();
         let rows = self.slots.len() as i32;
         let feed = self.next.take().expect("a used batch has tokens");
         let cache = self.cache.as_mut().expect("a used batch has caches");
@@ -220,6 +228,7 @@ impl<'g> BatchGenerator<'g> {
         self.emit(&feed, on_token)?;
         self.next = Some(sampled);
         self.compact()?;
+        self.stats.decode_time += started.elapsed();
         Ok(std::mem::take(&mut self.finished))
     }
 
@@ -512,7 +521,9 @@ impl<'g> BatchGenerator<'g> {
         fed: &Array,
         on_token: &mut dyn FnMut(SeqId, u32) -> Result<Flow>,
     ) -> Result<()> {
+        let waited = Instant::now();
         fed.eval()?;
+        self.stats.wait_time += waited.elapsed();
         let ids: Vec<u32> = fed.as_slice::<u32>().to_vec();
         for (r, slot) in self.slots.iter_mut().enumerate() {
             let Some(a) = slot else { continue };
@@ -529,7 +540,9 @@ impl<'g> BatchGenerator<'g> {
                     let n = joined.shape()[1];
                     a.history = Some(joined.try_index((.., (n - ctx).max(0)..))?);
                 }
+                let called = Instant::now();
                 let flow = on_token(a.id, tok)?;
+                self.stats.callback_time += called.elapsed();
                 let n = a.out.len();
                 let room = a.prompt_len + n < a.context;
                 if a.stop_ids.contains(&tok) {

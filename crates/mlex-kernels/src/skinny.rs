@@ -18,9 +18,11 @@ const SOURCE: &str = include_str!("skinny_matmul.cu");
 
 /// `x @ w^T` with `x` `[..., K]` and `w` `[N, K]`, both bf16 or f16, on CUDA;
 /// any leading shape of `x` whose row count (their product) `M` is within
-/// `rows` (the kernel is compiled once per `M`: its accumulators are
-/// registers). `Ok(None)` when the kernel does not apply (the caller uses MLX's
-/// matmul).
+/// `rows`. The kernel keeps its accumulators in registers, so it is compiled
+/// per power of two at or above `M` (at most six variants per dtype up to 64
+/// rows): compiling per exact `M` cost a second for every new prompt
+/// length, which a server meets all the time. `Ok(None)` when the kernel
+/// does not apply (the caller uses MLX's matmul).
 pub fn matmul_within(x: &Array, w: &Array, rows: (i32, i32)) -> Result<Option<Array>> {
     let dtype = w.dtype();
     if !matches!(dtype, Dtype::Bfloat16 | Dtype::Float16) || x.dtype() != dtype || w.ndim() != 2 {
@@ -44,7 +46,10 @@ pub fn matmul_within(x: &Array, w: &Array, rows: (i32, i32)) -> Result<Option<Ar
                 shape: vec![m, n],
                 dtype,
             }],
-            &[("T", TemplateArg::Dtype(dtype)), ("M", TemplateArg::Int(m))],
+            &[
+                ("T", TemplateArg::Dtype(dtype)),
+                ("M", TemplateArg::Int(row_bucket(m))),
+            ],
             (32, n, 1),
             (32, 4, 1),
         )?
@@ -55,6 +60,11 @@ pub fn matmul_within(x: &Array, w: &Array, rows: (i32, i32)) -> Result<Option<Ar
     Ok(Some(ops::reshape(&y, &shape)?))
 }
 
+/// The template row count for `m` rows: the power of two at or above it.
+fn row_bucket(m: i32) -> i32 {
+    (m.max(1) as u32).next_power_of_two() as i32
+}
+
 /// The largest rows x output columns the kernel takes in [`matmul`]: one
 /// warp per column keeps every row's accumulator, so its cost grows with
 /// both. Measured on the H200 against MLX's matmul (bf16, `skinny_sweep`,
@@ -63,14 +73,26 @@ pub fn matmul_within(x: &Array, w: &Array, rows: (i32, i32)) -> Result<Option<Ar
 /// columns at 32 rows 0.63x, the 151,936-column head at 4 rows 0.69x).
 pub const MAX_ROWS_TIMES_COLUMNS: i32 = 65_536;
 
-/// [`matmul_within`] for the rows the process's [`Dispatch`] allows and at
-/// most [`MAX_ROWS_TIMES_COLUMNS`] rows x columns.
+/// The fewest weights (columns x inner size) for which [`matmul`] takes a
+/// product. Each launch of an MLX custom kernel costs host time on CUDA
+/// that a small product does not win back: on a tiny Qwen3 (64-wide
+/// layers) under the server's load test the kernel cut throughput from 109
+/// to 60 requests/s (`docs/BENCHMARKS.md`), while every product of the
+/// real-shape sweep (1,024 x 1,024 and up) gained.
+pub const MIN_WEIGHTS: i64 = 1 << 20;
+
+/// [`matmul_within`] for the rows the process's [`Dispatch`] allows, at
+/// most [`MAX_ROWS_TIMES_COLUMNS`] rows x columns and at least
+/// [`MIN_WEIGHTS`] weights.
 pub fn matmul(x: &Array, w: &Array) -> Result<Option<Array>> {
     let Some(rows) = Dispatch::current().skinny_rows else {
         return Ok(None);
     };
     let m: i32 = x.shape().iter().rev().skip(1).product();
-    if w.ndim() != 2 || m.saturating_mul(w.shape()[0]) > MAX_ROWS_TIMES_COLUMNS {
+    if w.ndim() != 2
+        || row_bucket(m).saturating_mul(w.shape()[0]) > MAX_ROWS_TIMES_COLUMNS
+        || (w.shape()[0] as i64) * (w.shape()[1] as i64) < MIN_WEIGHTS
+    {
         return Ok(None);
     }
     matmul_within(x, w, rows)

@@ -4,14 +4,18 @@
 // for what is a bandwidth-bound weight sweep.
 //
 // Body of an MLX custom CUDA kernel (MLX writes the signature). Inputs:
-//   x [M, K] (T), w [N, K] (T), both row-contiguous; K % 8 == 0.
-// Output: y [M, N] (T), accumulated in float.
-// Template: T, M. Launch: grid (32, N, 1) threads in blocks of (32, 4, 1):
-// one warp per output column n, each lane 8 consecutive k at a time.
+//   x [R, K] (T), w [N, K] (T), both row-contiguous; K % 8 == 0; R <= M.
+// Output: y [R, N] (T), accumulated in float.
+// Template: T, M (the power of two at or above R: every template value is
+// a separate run-time compilation, about a second each, so the row count
+// itself is read from x's shape). Launch: grid (32, N, 1) threads in blocks
+// of (32, 4, 1): one warp per output column n, each lane 8 consecutive k at
+// a time.
 const int lane = threadIdx.x;
 const int n = blockIdx.y * blockDim.y + threadIdx.y;
 const int N = w_shape[0];
 const int K = w_shape[1];
+const int R = x_shape[0];
 if (n >= N) return;
 float acc[M];
 #pragma unroll
@@ -25,6 +29,7 @@ for (int k = lane * 8; k < K; k += 256) {
   for (int i = 0; i < 8; ++i) wf[i] = static_cast<float>(wp[i]);
 #pragma unroll
   for (int m = 0; m < M; ++m) {
+    if (m >= R) break;
     uint4 xv = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
     const T* xp = reinterpret_cast<const T*>(&xv);
     float s = 0.f;
@@ -38,5 +43,5 @@ for (int m = 0; m < M; ++m) {
   float v = acc[m];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-  if (lane == 0) y[(size_t)m * N + n] = static_cast<T>(v);
+  if (lane == 0 && m < R) y[(size_t)m * N + n] = static_cast<T>(v);
 }

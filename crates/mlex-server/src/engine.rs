@@ -70,6 +70,8 @@ struct Running<'t> {
     text: String,
     sent: usize,
     stops: Vec<String>,
+    /// The client went away; its generation was stopped for that.
+    gone: bool,
 }
 
 fn prompt_ids(tok: &Tokenizer, p: &Prompt) -> mlex_core::Result<Vec<u32>> {
@@ -77,6 +79,22 @@ fn prompt_ids(tok: &Tokenizer, p: &Prompt) -> mlex_core::Result<Vec<u32>> {
         Prompt::Chat(messages) => tok.chat_ids(messages, true),
         Prompt::Text(t) => tok.encode(t, tok.add_bos),
     }
+}
+
+/// The engine's totals over the server's life, where its time went.
+fn log_totals(st: &mlex_generate::BatchStats) {
+    eprintln!(
+        "mlex serve: engine totals: {} prompt tokens computed, {} reused, in {:.2} s of admissions; \
+         {} tokens in {} decode steps, {:.2} s (of it {:.2} s waiting for the device, {:.2} s handing out tokens)",
+        st.prefill_tokens,
+        st.reused_tokens,
+        st.prefill_time.as_secs_f64(),
+        st.generated_tokens,
+        st.steps,
+        st.decode_time.as_secs_f64(),
+        st.wait_time.as_secs_f64(),
+        st.callback_time.as_secs_f64(),
+    );
 }
 
 /// Runs the engine until the channel closes or a drain completes.
@@ -95,11 +113,15 @@ pub fn run(
         // Block for work only when there is none in flight.
         let first = if engine.is_idle() {
             if draining {
+                log_totals(engine.stats());
                 return Ok(());
             }
             match rx.recv() {
                 Ok(m) => Some(m),
-                Err(_) => return Ok(()),
+                Err(_) => {
+                    log_totals(engine.stats());
+                    return Ok(());
+                }
             }
         } else {
             None
@@ -137,6 +159,7 @@ pub fn run(
                             text: String::new(),
                             sent: 0,
                             stops: job.stops,
+                            gone: false,
                         },
                     );
                 }
@@ -170,10 +193,12 @@ pub fn run(
                 if r.events.send(Event::Text(piece)).is_err() {
                     // The client is gone: free its slot.
                     metrics.cancelled.inc();
+                    r.gone = true;
                     return Ok(Flow::Stop);
                 }
             } else if r.events.is_closed() {
                 metrics.cancelled.inc();
+                r.gone = true;
                 return Ok(Flow::Stop);
             }
             Ok(flow)
@@ -214,7 +239,11 @@ pub fn run(
                         out.reused_tokens,
                         out.prompt_tokens - out.reused_tokens,
                         out.tokens.len(),
-                        out.finish.as_str()
+                        if run.gone {
+                            "cancelled (client gone)"
+                        } else {
+                            out.finish.as_str()
+                        }
                     );
                     let _ = run.events.send(Event::Done {
                         finish: out.finish,

@@ -656,6 +656,11 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
                 let _ = cancel.send(Msg::CancelAll);
             });
         };
+        // Tokens go out as small writes; with Nagle's algorithm each would
+        // wait for the client's delayed ACK (40 ms on Linux).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, app)
             .with_graceful_shutdown(shutdown)
             .await

@@ -67,6 +67,36 @@ pub fn fixtures() -> Vec<Fixture> {
     all
 }
 
+/// The Python of the reference venv that made the fixtures (it has mlx-lm
+/// and the `openai` client), and the folder of the repository's Python
+/// scripts. Fails like a missing fixture when the manifest does not name
+/// one.
+pub fn reference_python() -> (PathBuf, PathBuf) {
+    let path = fixtures_dir().join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|_| {
+        panic!(
+            "fixtures missing: {} (run `cargo xtask fixtures`, or `cargo xtask test`)",
+            path.display()
+        )
+    });
+    let v: serde_json::Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let py = v["python"].as_str().map(PathBuf::from).unwrap_or_else(|| {
+        panic!(
+            "{} names no Python (made by an older xtask: run `cargo xtask fixtures`)",
+            path.display()
+        )
+    });
+    assert!(
+        py.exists(),
+        "{}: the reference Python {} is gone (run `cargo xtask fixtures`)",
+        path.display(),
+        py.display()
+    );
+    let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../xtask/py");
+    (py, scripts)
+}
+
 /// The fixture called `name` (see [`fixtures`]).
 pub fn fixture(name: &str) -> Fixture {
     fixtures()

@@ -952,3 +952,79 @@ fn batch_and_serve_flags_reject_bad_values_clearly() {
         "{e}"
     );
 }
+
+/// Bad checkpoints through the binary: each exits non-zero with `error:`
+/// and the file, key or tensor at fault, never a panic. Also prompt ids
+/// outside the vocabulary.
+#[test]
+fn bad_checkpoints_fail_the_binary_with_the_culprit_named() {
+    let src = fixture_path("llama-f32");
+    let mut cases: Vec<(&str, tempfile::TempDir, Vec<&str>)> = Vec::new();
+    cases.push((
+        "zero heads",
+        copy_with_config(&src, |v| v["num_attention_heads"] = 0.into()),
+        vec!["config.json", "num_attention_heads"],
+    ));
+    cases.push((
+        "unknown model_type",
+        copy_with_config(&src, |v| v["model_type"] = "gpt9000".into()),
+        vec!["config.json", "gpt9000", "qwen3_next"],
+    ));
+    let truncated = copy_with_config(&src, |_| {});
+    let weights = truncated.path().join("model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
+    cases.push(("truncated weights", truncated, vec!["model.safetensors"]));
+    let missing = copy_with_config(&src, |_| {});
+    let index = missing.path().join("model.safetensors.index.json");
+    if index.exists() {
+        std::fs::remove_file(&index).unwrap();
+    }
+    let t = mlx_rs::Array::load_safetensors(missing.path().join("model.safetensors")).unwrap();
+    let kept: Vec<(&str, &mlx_rs::Array)> = t
+        .iter()
+        .filter(|(k, _)| !k.ends_with("layers.1.self_attn.k_proj.weight"))
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    // Written beside, then moved: the loaded arrays still read the old file.
+    let tmp = missing.path().join("new.safetensors");
+    mlx_rs::Array::save_safetensors(kept, None, &tmp).unwrap();
+    drop(t);
+    std::fs::rename(&tmp, missing.path().join("model.safetensors")).unwrap();
+    cases.push((
+        "missing tensor",
+        missing,
+        vec!["layers.1.self_attn.k_proj.weight"],
+    ));
+    for (what, dir, named) in &cases {
+        let out = mlex()
+            .args(["generate", "--prompt-ids", "1,2,3", "--model"])
+            .arg(dir.path())
+            .assert()
+            .failure()
+            .get_output()
+            .stderr
+            .clone();
+        let e = String::from_utf8_lossy(&out);
+        assert!(
+            e.starts_with("error:") && !e.contains("panicked"),
+            "{what}: {e}"
+        );
+        for n in named {
+            assert!(e.contains(n), "{what}: `{n}` not named in {e}");
+        }
+    }
+    let out = mlex()
+        .args(["generate", "--prompt-ids", "1,99999", "--model"])
+        .arg(&src)
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(
+        e.starts_with("error:") && e.contains("99999") && e.contains("outside the vocabulary"),
+        "{e}"
+    );
+}

@@ -159,6 +159,38 @@ impl BuildCtx<'_> {
             })
     }
 
+    /// A count or size config key (heads, widths, kernel sizes): an integer
+    /// from 1 to `i32::MAX`, else an error naming the key. Zero heads would
+    /// otherwise divide by zero while the model is built.
+    pub fn cfg_count(&self, key: &str) -> Result<i32> {
+        match self.config.value().get(key) {
+            None => Err(self
+                .config
+                .error(key, "missing (needed by this layer kind)")),
+            Some(v) => self.count_of(key, v),
+        }
+    }
+
+    /// An optional count or size config key (see [`cfg_count`](Self::cfg_count)).
+    pub fn cfg_count_opt(&self, key: &str) -> Result<Option<i32>> {
+        match self.config.value().get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => self.count_of(key, v).map(Some),
+        }
+    }
+
+    fn count_of(&self, key: &str, v: &Value) -> Result<i32> {
+        match v.as_i64() {
+            Some(n) if (1..=i32::MAX as i64).contains(&n) => Ok(n as i32),
+            Some(n) => Err(self
+                .config
+                .error(key, format!("must be at least 1, got {n}"))),
+            None => Err(self
+                .config
+                .error(key, format!("must be a positive integer, got {v}"))),
+        }
+    }
+
     /// An optional integer config key.
     pub fn cfg_i32_opt(&self, key: &str) -> Option<i32> {
         self.config

@@ -205,6 +205,14 @@ impl Model {
         quantization: Quantization,
         registry: &Registry,
     ) -> Result<Model> {
+        for (key, v) in [
+            ("vocab_size", plan.vocab_size),
+            ("hidden_size", plan.hidden_size),
+        ] {
+            if v < 1 {
+                return Err(config.error(key, format!("must be at least 1, got {v}")));
+            }
+        }
         let mut ld = WeightLoader::new(weights, quantization.clone());
         let embed = Embedding::load(&mut ld, &plan.embed, plan.vocab_size, plan.hidden_size)?;
         let mut layers = Vec::with_capacity(plan.layers.len());

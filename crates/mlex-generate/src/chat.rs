@@ -32,6 +32,8 @@ pub struct ChatTemplate {
     source: String,
     bos: Option<String>,
     eos: Option<String>,
+    /// Where the template came from, for errors.
+    origin: String,
 }
 
 fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
@@ -47,6 +49,17 @@ fn strftime_now(_format: String) -> String {
 impl ChatTemplate {
     /// Compiles `source`; `bos`/`eos` are exposed as `bos_token`/`eos_token`.
     pub fn new(source: &str, bos: Option<String>, eos: Option<String>) -> Result<Self> {
+        Self::from_origin("the chat template", source, bos, eos)
+    }
+
+    /// [`new`](Self::new) for a template read from `origin` (a file and
+    /// key), which compile and render errors name.
+    pub fn from_origin(
+        origin: &str,
+        source: &str,
+        bos: Option<String>,
+        eos: Option<String>,
+    ) -> Result<Self> {
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
@@ -54,12 +67,13 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.add_template_owned("chat", source.to_owned())
-            .map_err(|e| Error::Other(format!("chat template does not compile: {e}")))?;
+            .map_err(|e| Error::Other(format!("{origin} does not compile: {e}")))?;
         Ok(Self {
             env,
             source: source.to_owned(),
             bos,
             eos,
+            origin: origin.to_owned(),
         })
     }
 
@@ -74,7 +88,7 @@ impl ChatTemplate {
         let t = self
             .env
             .get_template("chat")
-            .map_err(|e| Error::Other(format!("chat template: {e}")))?;
+            .map_err(|e| Error::Other(format!("{}: {e}", self.origin)))?;
         t.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
@@ -82,7 +96,7 @@ impl ChatTemplate {
             eos_token => self.eos.clone().unwrap_or_default(),
             tools => Value::UNDEFINED,
         })
-        .map_err(|e| Error::Other(format!("chat template failed to render: {e}")))
+        .map_err(|e| Error::Other(format!("{} failed to render: {e}", self.origin)))
     }
 }
 

@@ -117,7 +117,8 @@ impl Tokenizer {
             .and_then(Value::as_bool)
             .unwrap_or(false);
         let eos = token_text(cfg.get("eos_token"));
-        let template_src = match cfg.get("chat_template") {
+        let config_path = dir.join("tokenizer_config.json");
+        let from_config = match cfg.get("chat_template") {
             Some(Value::String(s)) => Some(s.clone()),
             Some(Value::Array(list)) => list
                 .iter()
@@ -127,10 +128,16 @@ impl Tokenizer {
                 .and_then(Value::as_str)
                 .map(str::to_owned),
             _ => None,
-        }
-        .or_else(|| std::fs::read_to_string(dir.join("chat_template.jinja")).ok());
+        };
+        let jinja = dir.join("chat_template.jinja");
+        let template_src = match from_config {
+            Some(s) => Some((format!("{}: chat_template", config_path.display()), s)),
+            None => std::fs::read_to_string(&jinja)
+                .ok()
+                .map(|s| (jinja.display().to_string(), s)),
+        };
         let chat_template = template_src
-            .map(|s| ChatTemplate::new(&s, bos.clone(), eos.clone()))
+            .map(|(origin, s)| ChatTemplate::from_origin(&origin, &s, bos.clone(), eos.clone()))
             .transpose()?;
         let mut t = Self {
             inner,
@@ -187,7 +194,14 @@ impl Tokenizer {
         let chat_template = g
             .chat_template
             .as_deref()
-            .map(|s| ChatTemplate::new(s, name(g.bos), name(g.eos)))
+            .map(|s| {
+                ChatTemplate::from_origin(
+                    "the GGUF's tokenizer.chat_template",
+                    s,
+                    name(g.bos),
+                    name(g.eos),
+                )
+            })
             .transpose()?;
         let mut t = Self {
             inner,

@@ -105,3 +105,35 @@ fn tokenizer_json_directory_gives_the_same_ids() {
     let e = Tokenizer::from_dir(dir.path()).err().unwrap().to_string();
     assert!(e.contains("tokenizer.json"), "{e}");
 }
+
+/// A chat template that does not compile, or that fails to render, is an
+/// error naming the file it came from.
+#[test]
+fn a_broken_chat_template_names_its_file() {
+    let tok = smollm2();
+    let dir = tempfile::tempdir().unwrap();
+    tok.save_json(&dir.path().join("tokenizer.json")).unwrap();
+    let write = |template: &str| {
+        let cfg = serde_json::json!({"chat_template": template, "eos_token": "<|im_end|>"});
+        std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    };
+    write("{% for m in messages %}{{ m.content }");
+    let e = Tokenizer::from_dir(dir.path())
+        .err()
+        .expect("rejected")
+        .to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("does not compile"),
+        "{e}"
+    );
+    write("{{ raise_exception('only user turns here') }}");
+    let t = Tokenizer::from_dir(dir.path()).unwrap();
+    let e = t
+        .chat_ids(&[Message::new("user", "Hi")], true)
+        .expect_err("fails to render")
+        .to_string();
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("only user turns here"),
+        "{e}"
+    );
+}

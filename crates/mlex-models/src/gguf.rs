@@ -325,15 +325,30 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
             format!("general.architecture is `{arch}`; GGUF loading supports the llama family"),
         ));
     }
+    let positive = |k: &str, v: i64| -> Result<i64> {
+        if (1..=i64::from(i32::MAX)).contains(&v) {
+            Ok(v)
+        } else {
+            Err(bad(
+                path,
+                format!("metadata `{k}` is {v}; it must be at least 1"),
+            ))
+        }
+    };
     let need = |k: &str| -> Result<i64> {
-        meta.i64(k)?
-            .ok_or_else(|| bad(path, format!("metadata `{k}` is missing")))
+        let v = meta
+            .i64(k)?
+            .ok_or_else(|| bad(path, format!("metadata `{k}` is missing")))?;
+        positive(k, v)
     };
     let layers = need("llama.block_count")?;
     let hidden = need("llama.embedding_length")?;
     let ffn = need("llama.feed_forward_length")?;
     let heads = need("llama.attention.head_count")?;
-    let kv_heads = meta.i64("llama.attention.head_count_kv")?.unwrap_or(heads);
+    let kv_heads = match meta.i64("llama.attention.head_count_kv")? {
+        Some(v) => positive("llama.attention.head_count_kv", v)?,
+        None => heads,
+    };
     let theta = meta.f64("llama.rope.freq_base")?.unwrap_or(10000.0);
     let eps = meta
         .f64("llama.attention.layer_norm_rms_epsilon")?
@@ -370,7 +385,29 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         if target == "lm_head" {
             tied = false;
         }
+        if array.ndim() == 0 || array.shape().contains(&0) {
+            return Err(bad(
+                path,
+                format!("tensor `{name}` has the empty shape {:?}", array.shape()),
+            ));
+        }
         let mut a = array;
+        let rotary = if module.ends_with("attn_q") {
+            Some(heads)
+        } else if module.ends_with("attn_k") {
+            Some(kv_heads)
+        } else {
+            None
+        };
+        if let Some(h) = rotary.filter(|h| a.shape()[0] as i64 % (2 * h) != 0) {
+            return Err(bad(
+                path,
+                format!(
+                    "tensor `{name}`: {} rows do not split into {h} heads of rotary pairs",
+                    a.shape()[0]
+                ),
+            ));
+        }
         if module.ends_with("attn_q") {
             a = unpermute(&a, heads as i32)?;
         } else if module.ends_with("attn_k") {

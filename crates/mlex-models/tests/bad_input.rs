@@ -358,3 +358,81 @@ fn qwen3_5_text_serves_a_flat_text_only_checkpoint() {
         "qwen3_5_text differs from the qwen3_5 reference by {d}"
     );
 }
+
+/// Counts and sizes out of range (zero heads, a head count that does not
+/// divide the width, groups that do not divide the heads, a negative width)
+/// and a missing key name the key; none divides by zero.
+#[test]
+fn out_of_range_counts_in_config_json_name_the_key() {
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, Edit, &str, &str); 9] = [
+        (
+            "llama-f32",
+            |v| v["num_attention_heads"] = 0.into(),
+            "num_attention_heads",
+            "at least 1",
+        ),
+        (
+            "llama-f32",
+            |v| v["num_key_value_heads"] = 0.into(),
+            "num_key_value_heads",
+            "at least 1",
+        ),
+        (
+            "llama-f32",
+            |v| v["num_key_value_heads"] = 3.into(),
+            "num_key_value_heads",
+            "multiple",
+        ),
+        (
+            "llama-f32",
+            |v| {
+                v.as_object_mut().unwrap().remove("head_dim");
+                v["num_attention_heads"] = 5.into();
+                v["num_key_value_heads"] = 5.into();
+            },
+            "num_attention_heads",
+            "do not divide",
+        ),
+        (
+            "llama-f32",
+            |v| v["hidden_size"] = (-64).into(),
+            "hidden_size",
+            "at least 1",
+        ),
+        (
+            "llama-f32",
+            |v| {
+                v.as_object_mut().unwrap().remove("hidden_size");
+            },
+            "hidden_size",
+            "missing",
+        ),
+        (
+            "qwen3_next-f32",
+            |v| v["linear_num_key_heads"] = 0.into(),
+            "linear_num_key_heads",
+            "at least 1",
+        ),
+        (
+            "nemotron_h-f32",
+            |v| v["n_groups"] = 0.into(),
+            "n_groups",
+            "at least 1",
+        ),
+        (
+            "nemotron_h-f32",
+            |v| v["n_groups"] = 3.into(),
+            "n_groups",
+            "do not divide",
+        ),
+    ];
+    for (name, edit, key, says) in cases {
+        let dir = copy_with_config(&path_of(&fixture(name)), edit);
+        let e = load_err(dir.path()).to_string();
+        assert!(
+            e.contains("config.json") && e.contains(key) && e.contains(says),
+            "{name}, {key}: {e}"
+        );
+    }
+}

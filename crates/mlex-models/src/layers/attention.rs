@@ -202,10 +202,29 @@ impl LayerKind for AttentionKind {
 
 impl Attention {
     fn build(ctx: &mut BuildCtx<'_>, o: &AttentionOptions) -> Result<Self> {
-        let hidden = ctx.cfg_i32("hidden_size")?;
-        let n_heads = ctx.cfg_i32("num_attention_heads")?;
-        let n_kv_heads = ctx.cfg_i32_opt("num_key_value_heads").unwrap_or(n_heads);
-        let head_dim = ctx.cfg_i32_opt("head_dim").unwrap_or(hidden / n_heads);
+        let hidden = ctx.cfg_count("hidden_size")?;
+        let n_heads = ctx.cfg_count("num_attention_heads")?;
+        let n_kv_heads = ctx.cfg_count_opt("num_key_value_heads")?.unwrap_or(n_heads);
+        if n_heads % n_kv_heads != 0 {
+            return Err(ctx.config.error(
+                "num_key_value_heads",
+                format!(
+                    "{n_heads} attention heads are not a multiple of {n_kv_heads} key/value heads"
+                ),
+            ));
+        }
+        let head_dim = match ctx.cfg_count_opt("head_dim")? {
+            Some(d) => d,
+            None if hidden % n_heads == 0 => hidden / n_heads,
+            None => {
+                return Err(ctx.config.error(
+                    "num_attention_heads",
+                    format!(
+                    "{n_heads} heads do not divide hidden_size {hidden} (and there is no head_dim)"
+                ),
+                ))
+            }
+        };
         let eps = norm_eps(ctx, &o.eps_key);
         let cfg = ctx.config.value().clone();
         let attn_prefix = ctx.path(&o.attn);

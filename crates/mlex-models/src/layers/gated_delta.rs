@@ -121,12 +121,12 @@ impl LayerKind for GatedDeltaKind {
             ctx.config.file(),
             &format!("options of layer {} (gated_delta)", ctx.index),
         )?;
-        let hidden = ctx.cfg_i32("hidden_size")?;
-        let nv = ctx.cfg_i32("linear_num_value_heads")?;
-        let nk = ctx.cfg_i32("linear_num_key_heads")?;
-        let dk = ctx.cfg_i32("linear_key_head_dim")?;
-        let dv = ctx.cfg_i32("linear_value_head_dim")?;
-        let kernel = ctx.cfg_i32("linear_conv_kernel_dim")?;
+        let hidden = ctx.cfg_count("hidden_size")?;
+        let nv = ctx.cfg_count("linear_num_value_heads")?;
+        let nk = ctx.cfg_count("linear_num_key_heads")?;
+        let dk = ctx.cfg_count("linear_key_head_dim")?;
+        let dv = ctx.cfg_count("linear_value_head_dim")?;
+        let kernel = ctx.cfg_count("linear_conv_kernel_dim")?;
         if nv % nk != 0 {
             return Err(ctx.config.error(
                 "linear_num_value_heads",

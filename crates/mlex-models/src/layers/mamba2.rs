@@ -87,12 +87,18 @@ impl LayerKind for Mamba2Kind {
             ctx.config.file(),
             &format!("options of layer {} (mamba2)", ctx.index),
         )?;
-        let hidden = ctx.cfg_i32("hidden_size")?;
-        let heads = ctx.cfg_i32("mamba_num_heads")?;
-        let head_dim = ctx.cfg_i32("mamba_head_dim")?;
-        let state_dim = ctx.cfg_i32("ssm_state_size")?;
-        let kernel = ctx.cfg_i32("conv_kernel")?;
-        let groups = ctx.cfg_i32_opt("n_groups").unwrap_or(1);
+        let hidden = ctx.cfg_count("hidden_size")?;
+        let heads = ctx.cfg_count("mamba_num_heads")?;
+        let head_dim = ctx.cfg_count("mamba_head_dim")?;
+        let state_dim = ctx.cfg_count("ssm_state_size")?;
+        let kernel = ctx.cfg_count("conv_kernel")?;
+        let groups = ctx.cfg_count_opt("n_groups")?.unwrap_or(1);
+        if heads % groups != 0 {
+            return Err(ctx.config.error(
+                "n_groups",
+                format!("{groups} groups do not divide mamba_num_heads {heads}"),
+            ));
+        }
         let eps = norm_eps(ctx, &o.eps_key);
         let inner = heads * head_dim;
         let conv_dim = inner + 2 * groups * state_dim;

@@ -56,7 +56,7 @@ fn build(ctx: &mut BuildCtx<'_>, kind: &'static str, default_ffn: &str) -> Resul
         ctx.config.file(),
         &format!("options of layer {} ({kind})", ctx.index),
     )?;
-    let hidden = ctx.cfg_i32("hidden_size")?;
+    let hidden = ctx.cfg_count("hidden_size")?;
     let eps = norm_eps(ctx, &o.eps_key);
     let ffn_kind = o.ffn.clone().unwrap_or_else(|| default_ffn.to_owned());
     let bias = o.bias.unwrap_or_else(|| ctx.cfg_bool_or("mlp_bias", false));

@@ -31,20 +31,20 @@ use serde_json::Value;
 pub fn ffn_spec(ctx: &BuildCtx<'_>, kind: &str, bias: bool) -> Result<FfnSpec> {
     let cfg = ctx.config.value();
     let int = |k: &str| cfg.get(k).and_then(Value::as_i64).map(|v| v as i32);
-    let hidden = ctx.cfg_i32("hidden_size")?;
+    let hidden = ctx.cfg_count("hidden_size")?;
     let intermediate = match kind {
-        "swiglu" | "relu2" => ctx.cfg_i32("intermediate_size")?,
+        "swiglu" | "relu2" => ctx.cfg_count("intermediate_size")?,
         _ => int("intermediate_size").unwrap_or(0),
     };
     let (experts, moe_intermediate, shared) = match kind {
         "qwen_moe" => (
-            ctx.cfg_i32("num_experts")?,
-            ctx.cfg_i32("moe_intermediate_size")?,
+            ctx.cfg_count("num_experts")?,
+            ctx.cfg_count("moe_intermediate_size")?,
             int("shared_expert_intermediate_size").unwrap_or(0),
         ),
         "nemotron_moe" => (
-            ctx.cfg_i32("n_routed_experts")?,
-            ctx.cfg_i32("moe_intermediate_size")?,
+            ctx.cfg_count("n_routed_experts")?,
+            ctx.cfg_count("moe_intermediate_size")?,
             if cfg.get("n_shared_experts").is_some_and(|v| !v.is_null()) {
                 ctx.cfg_i32("moe_shared_expert_intermediate_size")?
             } else {

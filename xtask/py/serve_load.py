@@ -6,7 +6,8 @@ mlx-lm's own server (`python -m mlx_lm server`) on the same checkpoint.
         [--pairs 1] [--batch 32] [--deadline S] [--out FILE.json] [--check]
 
 Per engine and pair (engines alternate within a pair): start the server on
-a free loopback port, one warm-up request, then
+loopback (mlex on a port it picks itself and names in its log; mlx-lm on a
+free port found here), then
 
 * one at a time: each of the `distinct` prompts once, streamed, in turn;
 * under load: `clients` concurrent clients (the real `openai` client,
@@ -18,8 +19,9 @@ answers that differ from the same server's one-at-a-time answer to the same
 prompt, requests/s, completion tokens/s, time to first token (p50/p99) and
 latency. The server is stopped with SIGTERM after each engine's turn. With
 --check the exit status is 1 when any request failed or any answer under
-load differs from one at a time. Every loop is bounded in count, and the
-whole run by --deadline.
+load differs from one at a time. Every loop is bounded in count and every
+request by --timeout; no engine turn starts after --deadline seconds. On
+SIGTERM or Ctrl-C the server in use is stopped before exiting.
 """
 
 from __future__ import annotations
@@ -76,9 +78,22 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"server did not answer {url} within {timeout:.0f} s")
 
 
+def mlex_address(log_path: Path, proc: subprocess.Popen, timeout: float) -> str:
+    """The http://host:port that `mlex serve --port 0` names in its log."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlex serve exited with {proc.returncode}; see {log_path}")
+        for line in log_path.read_text(errors="replace").splitlines():
+            if "http://" in line:
+                return line[line.index("http://"):].split()[0].removesuffix("/v1")
+        time.sleep(0.1)
+    raise RuntimeError(f"mlex serve named no address within {timeout:.0f} s; see {log_path}")
+
+
 def start(engine: str, args, port: int, log) -> subprocess.Popen:
     if engine == "mlex":
-        cmd = [args.mlex, "serve", "--model", args.model, "--port", str(port), "--batch", str(args.batch),
+        cmd = [args.mlex, "serve", "--model", args.model, "--port", "0", "--batch", str(args.batch),
                "--served-model-name", "model"]
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(port),
@@ -179,9 +194,14 @@ def run_engine(engine: str, args, tag: str) -> dict:
     with open(log_path, "w") as log:
         proc = start(engine, args, port, log)
         try:
-            health = f"http://127.0.0.1:{port}/health" if engine == "mlex" else f"http://127.0.0.1:{port}/v1/models"
+            if engine == "mlex":
+                root = mlex_address(log_path, proc, 300)
+                health = f"{root}/health"
+            else:
+                root = f"http://127.0.0.1:{port}"
+                health = f"{root}/v1/models"
             wait_ready(health, proc, 300)
-            base = f"http://127.0.0.1:{port}/v1"
+            base = f"{root}/v1"
             model = model_id(engine, args)
             want, seq = asyncio.run(sequential(base, model, args))
             under = asyncio.run(load(base, model, args, want))
@@ -196,7 +216,13 @@ def run_engine(engine: str, args, tag: str) -> dict:
     return {"engine": engine, "one_at_a_time": seq, "load": under, "answers": want, "exit": proc.returncode}
 
 
+def stop_on_signal(signum, _frame) -> None:
+    # Raising unwinds through run_engine's `finally`, which stops the server.
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, stop_on_signal)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--mlex", default="mlex")

@@ -116,3 +116,13 @@ pub fn parse_value<T: DeserializeOwned>(value: &Value, file: &Path, prefix: &str
         }
     })
 }
+
+/// A count or size (heads, widths, kernel sizes, layers): `v` as an `i32`
+/// from 1 to `i32::MAX`, or what is wrong with it.
+pub fn count(v: i64) -> std::result::Result<i32, String> {
+    if (1..=i64::from(i32::MAX)).contains(&v) {
+        Ok(v as i32)
+    } else {
+        Err(format!("must be from 1 to {}, got {v}", i32::MAX))
+    }
+}

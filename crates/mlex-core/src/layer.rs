@@ -181,10 +181,7 @@ impl BuildCtx<'_> {
 
     fn count_of(&self, key: &str, v: &Value) -> Result<i32> {
         match v.as_i64() {
-            Some(n) if (1..=i32::MAX as i64).contains(&n) => Ok(n as i32),
-            Some(n) => Err(self
-                .config
-                .error(key, format!("must be at least 1, got {n}"))),
+            Some(n) => crate::config::count(n).map_err(|m| self.config.error(key, m)),
             None => Err(self
                 .config
                 .error(key, format!("must be a positive integer, got {v}"))),

@@ -209,9 +209,7 @@ impl Model {
             ("vocab_size", plan.vocab_size),
             ("hidden_size", plan.hidden_size),
         ] {
-            if v < 1 {
-                return Err(config.error(key, format!("must be at least 1, got {v}")));
-            }
+            crate::config::count(i64::from(v)).map_err(|m| config.error(key, m))?;
         }
         let mut ld = WeightLoader::new(weights, quantization.clone());
         let embed = Embedding::load(&mut ld, &plan.embed, plan.vocab_size, plan.hidden_size)?;

@@ -117,7 +117,6 @@ impl Tokenizer {
             .and_then(Value::as_bool)
             .unwrap_or(false);
         let eos = token_text(cfg.get("eos_token"));
-        let config_path = dir.join("tokenizer_config.json");
         let from_config = match cfg.get("chat_template") {
             Some(Value::String(s)) => Some(s.clone()),
             Some(Value::Array(list)) => list
@@ -131,10 +130,11 @@ impl Tokenizer {
         };
         let jinja = dir.join("chat_template.jinja");
         let template_src = match from_config {
-            Some(s) => Some((format!("{}: chat_template", config_path.display()), s)),
+            // File names only: render errors reach a server's clients.
+            Some(s) => Some(("tokenizer_config.json: chat_template".to_owned(), s)),
             None => std::fs::read_to_string(&jinja)
                 .ok()
-                .map(|s| (jinja.display().to_string(), s)),
+                .map(|s| ("chat_template.jinja".to_owned(), s)),
         };
         let chat_template = template_src
             .map(|(origin, s)| ChatTemplate::from_origin(&origin, &s, bos.clone(), eos.clone()))

@@ -19,8 +19,9 @@ const SOURCE: &str = include_str!("skinny_matmul.cu");
 /// `x @ w^T` with `x` `[..., K]` and `w` `[N, K]`, both bf16 or f16, on CUDA;
 /// any leading shape of `x` whose row count (their product) `M` is within
 /// `rows`. The kernel keeps its accumulators in registers, so it is compiled
-/// per power of two at or above `M` (at most six variants per dtype up to 64
-/// rows): compiling per exact `M` cost a second for every new prompt
+/// per power of two at or above `M` (one variant per power of two in the
+/// row range and dtype, five for the default 2-32 rows): compiling per
+/// exact `M` cost a second for every new prompt
 /// length, which a server meets all the time. `Ok(None)` when the kernel
 /// does not apply (the caller uses MLX's matmul).
 pub fn matmul_within(x: &Array, w: &Array, rows: (i32, i32)) -> Result<Option<Array>> {

@@ -326,14 +326,9 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         ));
     }
     let positive = |k: &str, v: i64| -> Result<i64> {
-        if (1..=i64::from(i32::MAX)).contains(&v) {
-            Ok(v)
-        } else {
-            Err(bad(
-                path,
-                format!("metadata `{k}` is {v}; it must be at least 1"),
-            ))
-        }
+        mlex_core::config::count(v)
+            .map(i64::from)
+            .map_err(|m| bad(path, format!("metadata `{k}` {m}")))
     };
     let need = |k: &str| -> Result<i64> {
         let v = meta

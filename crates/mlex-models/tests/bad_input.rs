@@ -365,18 +365,32 @@ fn qwen3_5_text_serves_a_flat_text_only_checkpoint() {
 #[test]
 fn out_of_range_counts_in_config_json_name_the_key() {
     type Edit = fn(&mut serde_json::Value);
-    let cases: [(&str, Edit, &str, &str); 9] = [
+    let cases: [(&str, Edit, &str, &str); 11] = [
+        (
+            "llama-f32",
+            |v| v["num_key_value_heads"] = 3_000_000_000i64.into(),
+            "num_key_value_heads",
+            "from 1 to 2147483647",
+        ),
+        (
+            "nemotron_h-f32",
+            |v| {
+                v.as_object_mut().unwrap().remove("mamba_head_dim");
+            },
+            "mamba_head_dim",
+            "missing",
+        ),
         (
             "llama-f32",
             |v| v["num_attention_heads"] = 0.into(),
             "num_attention_heads",
-            "at least 1",
+            "from 1",
         ),
         (
             "llama-f32",
             |v| v["num_key_value_heads"] = 0.into(),
             "num_key_value_heads",
-            "at least 1",
+            "from 1",
         ),
         (
             "llama-f32",
@@ -398,7 +412,7 @@ fn out_of_range_counts_in_config_json_name_the_key() {
             "llama-f32",
             |v| v["hidden_size"] = (-64).into(),
             "hidden_size",
-            "at least 1",
+            "from 1",
         ),
         (
             "llama-f32",
@@ -412,13 +426,13 @@ fn out_of_range_counts_in_config_json_name_the_key() {
             "qwen3_next-f32",
             |v| v["linear_num_key_heads"] = 0.into(),
             "linear_num_key_heads",
-            "at least 1",
+            "from 1",
         ),
         (
             "nemotron_h-f32",
             |v| v["n_groups"] = 0.into(),
             "n_groups",
-            "at least 1",
+            "from 1",
         ),
         (
             "nemotron_h-f32",

@@ -39,7 +39,15 @@ pub fn validate_safetensors(path: &Path) -> Result<()> {
     // SAFETY: read-only map of a file we do not modify; a concurrent writer
     // could change bytes under us, which safetensors' bounds checks tolerate.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| bad(e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| {
+        // Some of safetensors' messages do not say which tensor: find it.
+        match inconsistent_tensor(&map) {
+            Some(name) => bad(format!(
+                "{e} (`{name}`: its shape and dtype do not fit its data_offsets)"
+            )),
+            None => bad(e.to_string()),
+        }
+    })?;
     for (name, view) in st.tensors() {
         use safetensors::Dtype as D;
         match view.dtype() {
@@ -64,6 +72,34 @@ pub fn validate_safetensors(path: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The first tensor of a safetensors header whose shape and dtype need
+/// another byte count than its `data_offsets` give (or overflow).
+fn inconsistent_tensor(bytes: &[u8]) -> Option<String> {
+    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let end = 8usize.checked_add(usize::try_from(len).ok()?)?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(bytes.get(8..end)?).ok()?;
+    header.iter().find_map(|(name, t)| {
+        if name == "__metadata__" {
+            return None;
+        }
+        let size: u64 = match t.get("dtype")?.as_str()? {
+            "F64" | "I64" | "U64" => 8,
+            "F32" | "I32" | "U32" => 4,
+            "F16" | "BF16" | "I16" | "U16" => 2,
+            _ => 1,
+        };
+        let count = t
+            .get("shape")?
+            .as_array()?
+            .iter()
+            .try_fold(size, |n, d| n.checked_mul(d.as_u64()?));
+        let off = t.get("data_offsets")?.as_array()?;
+        let span = off.get(1)?.as_u64()?.checked_sub(off.first()?.as_u64()?);
+        (count.is_none() || span.is_none() || count != span).then(|| name.clone())
+    })
 }
 
 impl WeightMap {

@@ -450,3 +450,77 @@ fn out_of_range_counts_in_config_json_name_the_key() {
         );
     }
 }
+
+/// Hand-written safetensors headers: a header length past the end of the
+/// file, a shape that claims more bytes than its offsets hold, overlapping
+/// offsets, and an integer weight where a float one belongs. Each names
+/// the file, and the tensor where there is one.
+#[test]
+fn crafted_safetensors_headers_and_wrong_dtypes_are_named() {
+    fn file(header: &str, data: usize) -> Vec<u8> {
+        let mut b = (header.len() as u64).to_le_bytes().to_vec();
+        b.extend(header.as_bytes());
+        b.extend(std::iter::repeat_n(0u8, data));
+        b
+    }
+    let (_d, dir) = copy_fixture("llama-f32");
+    let path = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        std::fs::remove_file(&index).unwrap();
+    }
+    let cases: [(&str, Vec<u8>, Option<&str>); 3] = [
+        (
+            "a header longer than the file",
+            {
+                let mut b = (1u64 << 40).to_le_bytes().to_vec();
+                b.extend(b"{}");
+                b
+            },
+            None,
+        ),
+        (
+            "a shape larger than its bytes",
+            file(
+                r#"{"w":{"dtype":"F32","shape":[1000000,1000000],"data_offsets":[0,16]}}"#,
+                16,
+            ),
+            Some("`w`"),
+        ),
+        (
+            "overlapping offsets",
+            file(
+                r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}}"#,
+                24,
+            ),
+            Some("`b`"),
+        ),
+    ];
+    for (what, bytes, tensor) in cases {
+        std::fs::write(&path, bytes).unwrap();
+        let e = mlex_core::weights::validate_safetensors(&path)
+            .err()
+            .unwrap_or_else(|| panic!("{what}: accepted"))
+            .to_string();
+        assert!(e.contains("model.safetensors"), "{what}: {e}");
+        if let Some(t) = tensor {
+            assert!(e.contains(t), "{what}: {e}");
+        }
+        let e = load_err(&dir).to_string();
+        eprintln!("{what}: {e}");
+        assert!(e.contains("model.safetensors"), "{what}: {e}");
+    }
+
+    // An integer tensor where the model expects floats.
+    let (_d2, dir) = copy_fixture("llama-f32");
+    let name = "model.layers.0.self_attn.k_proj.weight";
+    rewrite_weights(&dir, |t| {
+        let w = t[name].as_dtype(mlx_rs::Dtype::Int32).unwrap();
+        t.insert(name.to_owned(), w);
+    });
+    let e = load_err(&dir).to_string();
+    assert!(
+        e.contains(name) && e.contains("floating-point") && e.contains("model.safetensors"),
+        "{e}"
+    );
+}

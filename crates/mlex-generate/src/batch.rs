@@ -378,18 +378,7 @@ impl<'g> BatchGenerator<'g> {
     /// requests. Returns its batch-1 caches, last logits and reused count.
     fn prefill_cached(&mut self, prompt: &[u32]) -> Result<(ModelCache, Array, usize)> {
         let g = &mut *self.gen;
-        let (mut cache, reused) = match g.prompt_cache.lookup(prompt) {
-            Some(h) => (h.cache, h.reused),
-            None => (g.model.make_cache(1)?, 0),
-        };
-        let recurrent = cache.layers.iter().flatten().any(|c| !c.grows());
-        let mut checkpoints = Vec::new();
-        let logits = g.prefill(
-            &prompt[reused..],
-            reused,
-            &mut cache,
-            recurrent.then_some(&mut checkpoints),
-        )?;
+        let (cache, logits, reused, mut checkpoints) = g.restore_and_prefill(prompt, true)?;
         checkpoints.push((prompt.len(), mlex_cache::StateSnapshot::of(&cache)));
         g.prompt_cache.insert(prompt, cache.clone(), checkpoints);
         Ok((cache, logits, reused))

@@ -223,6 +223,37 @@ impl Generator {
         }
     }
 
+    /// With `use_cache`, restores the deepest cached prefix of `prompt`;
+    /// prefills the rest into a batch-1 cache, recording recurrent-state
+    /// checkpoints when the cache is used and the model has fixed-size
+    /// state (holding them costs no copy of the KV caches). Returns the
+    /// cache, the last logits, the reused token count and the checkpoints.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn restore_and_prefill(
+        &mut self,
+        prompt: &[u32],
+        use_cache: bool,
+    ) -> Result<(ModelCache, Array, usize, Vec<(usize, StateSnapshot)>)> {
+        let hit = if use_cache {
+            self.prompt_cache.lookup(prompt)
+        } else {
+            None
+        };
+        let (mut cache, reused) = match hit {
+            Some(h) => (h.cache, h.reused),
+            None => (self.model.make_cache(1)?, 0),
+        };
+        let recurrent = cache.layers.iter().flatten().any(|c| !c.grows());
+        let mut checkpoints = Vec::new();
+        let logits = self.prefill(
+            &prompt[reused..],
+            reused,
+            &mut cache,
+            (use_cache && recurrent).then_some(&mut checkpoints),
+        )?;
+        Ok((cache, logits, reused, checkpoints))
+    }
+
     /// Generates from `prompt`, calling `on_token` with every new id.
     pub fn generate(
         &mut self,
@@ -252,24 +283,8 @@ impl Generator {
         mlex_core::device::reset_peak_memory()?;
         let start = Instant::now();
 
-        let hit = if opts.use_prompt_cache {
-            self.prompt_cache.lookup(prompt)
-        } else {
-            None
-        };
-        let (mut cache, reused) = match hit {
-            Some(h) => (h.cache, h.reused),
-            None => (self.model.make_cache(1)?, 0),
-        };
-        // Only the fixed-size state: holding it costs no copy of the KV caches.
-        let recurrent = cache.layers.iter().flatten().any(|c| !c.grows());
-        let mut checkpoints = Vec::new();
-        let logits = self.prefill(
-            &prompt[reused..],
-            reused,
-            &mut cache,
-            (opts.use_prompt_cache && recurrent).then_some(&mut checkpoints),
-        )?;
+        let (mut cache, logits, reused, mut checkpoints) =
+            self.restore_and_prefill(prompt, opts.use_prompt_cache)?;
         let prompt_snapshot = opts.use_prompt_cache.then(|| StateSnapshot::of(&cache));
 
         let ctx = opts.sampler.repetition_context.max(1);

@@ -42,6 +42,7 @@ import copy
 import importlib.metadata
 import io
 import json
+import os
 import re
 import shutil
 import sys
@@ -1267,7 +1268,11 @@ def write_manifest(out: Path, entries: list[dict], merge: bool) -> None:
             "gguf": importlib.metadata.version("gguf"),
         },
     }
-    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+    # Every test reads the manifest, and an --only run rewrites it in place:
+    # written beside, then renamed, a reader sees the old one or the new.
+    tmp = manifest_path.with_name(f".manifest.json.{os.getpid()}")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, manifest_path)
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import zlib
@@ -365,22 +366,27 @@ def make(shape: str, scale: str, out_dir: Path, *, seed: int = SEED, force: bool
                 return path
         except json.JSONDecodeError:
             pass
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
+    # Made beside, then renamed into place: a run cut short leaves the old
+    # checkpoint or none, never a half-written one under the real name.
+    partial = path.with_name(path.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
     cfg = want["config"]
     weights = {}
     for name, shp in sorted(weight_shapes(shape, cfg).items()):
         t = draw(name, shp, seed)
         mx.eval(t)
         weights[name] = t
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    mx.save_safetensors(str(partial / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (partial / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     params = sum(v.size for v in weights.values())
     nbytes = sum(v.nbytes for v in weights.values())
     del weights
-    # Written last: a run cut short leaves no stamp and is redone.
-    stamp_file.write_text(json.dumps(want, indent=2) + "\n")
+    (partial / "bench_model.json").write_text(json.dumps(want, indent=2) + "\n")
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(partial, path)
     print(f"make_bench_models: {path}: {params / 1e6:.1f}M parameters, {nbytes / 1e9:.2f} GB", file=sys.stderr)
     return path
 

@@ -53,7 +53,8 @@ pub fn fetch(url: &str, sha256: &str) -> Result<PathBuf> {
         fs::remove_file(&path)?;
     }
     eprintln!("xtask: downloading {url}");
-    let partial = path.with_extension("partial");
+    // Per process: two runs fetching the same file must not write one file.
+    let partial = path.with_extension(format!("partial.{}", std::process::id()));
     // The platform's roots, not Mozilla's: machines behind a TLS-inspecting
     // proxy add its certificate there.
     let agent: ureq::Agent = ureq::Agent::config_builder()

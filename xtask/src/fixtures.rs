@@ -31,8 +31,12 @@ pub fn fixtures() -> Result<PathBuf> {
         return Ok(out);
     }
     let py = python::venv_python()?;
-    let _ = std::fs::remove_dir_all(&out);
-    std::fs::create_dir_all(&out)?;
+    // Made beside, then swapped in: a run killed midway leaves the old set
+    // (or none, which the stamp check redoes), never a half-written one
+    // that tests would read.
+    let partial = out.with_extension("partial");
+    let _ = std::fs::remove_dir_all(&partial);
+    std::fs::create_dir_all(&partial)?;
     eprintln!(
         "xtask: making parity fixtures with mlx-lm into {}",
         out.display()
@@ -40,7 +44,7 @@ pub fn fixtures() -> Result<PathBuf> {
     let status = Command::new(&py)
         .arg(py_dir.join("fixtures.py"))
         .arg("--out")
-        .arg(&out)
+        .arg(&partial)
         .arg("--smollm2-gguf")
         .arg(&gguf)
         .status()?;
@@ -50,11 +54,18 @@ pub fn fixtures() -> Result<PathBuf> {
     let status = Command::new(&py)
         .arg(py_dir.join("dhara_ref.py"))
         .arg("--out")
-        .arg(&out)
+        .arg(&partial)
         .status()?;
     if !status.success() {
         bail!("xtask/py/dhara_ref.py failed");
     }
-    std::fs::write(&stamp, key)?;
+    std::fs::write(partial.join(".stamp"), key)?;
+    let old = out.with_extension("old");
+    let _ = std::fs::remove_dir_all(&old);
+    if out.exists() {
+        std::fs::rename(&out, &old)?;
+    }
+    std::fs::rename(&partial, &out)?;
+    let _ = std::fs::remove_dir_all(&old);
     Ok(out)
 }

@@ -255,10 +255,22 @@ impl Cache for StateCache {
 /// segments): given the window of the last `K-1` inputs `[B, K-1, C]` and
 /// `T` new inputs `[B, T, C]`, returns the padded input the convolution
 /// reads, `[B, K-1+T, C]`, and the new window (its last `K-1` rows).
+///
+/// After a prompt (`T` > `K-1`) the window is gathered into a buffer of its
+/// own. A slice made contiguous may share its parent's buffer (MLX does so
+/// when the parent is at most 16 KB larger), so at small widths each window
+/// kept in a cache or a prompt-cache snapshot would hold the prompt's whole
+/// padded input, uncounted by its byte size. One decode token keeps the
+/// view: its parent is one row longer than the window.
 pub fn conv_window_step(window: &Array, x: &Array) -> Result<(Array, Array)> {
     let keep = window.shape()[1];
     let padded = ops::concatenate(&[window, x], 1)?;
     let total = padded.shape()[1];
-    let next = padded.try_index((.., (total - keep).., ..))?.contiguous()?;
+    let next = if total > 2 * keep {
+        let rows = ops::arange::<_, i32>(total - keep, total, None)?;
+        padded.take_axis(&rows, 1)?
+    } else {
+        padded.try_index((.., (total - keep).., ..))?.contiguous()?
+    };
     Ok((padded, next))
 }

@@ -4,7 +4,7 @@
 use assert_cmd::Command;
 use mlex_testkit::*;
 use serde_json::Value;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 fn mlex() -> Command {
     let mut c = Command::cargo_bin("mlex").unwrap();
@@ -996,6 +996,9 @@ fn bad_checkpoints_fail_the_binary_with_the_culprit_named() {
         missing,
         vec!["layers.1.self_attn.k_proj.weight"],
     ));
+    bad_weight_files(&src, &mut cases);
+    bad_configs(&src, &mut cases);
+    bad_shard_sets(&mut cases);
     for (what, dir, named) in &cases {
         let out = mlex()
             .args(["generate", "--prompt-ids", "1,2,3", "--model"])
@@ -1014,6 +1017,7 @@ fn bad_checkpoints_fail_the_binary_with_the_culprit_named() {
             assert!(e.contains(n), "{what}: `{n}` not named in {e}");
         }
     }
+    bad_gguf_and_tokenizers();
     let out = mlex()
         .args(["generate", "--prompt-ids", "1,99999", "--model"])
         .arg(&src)
@@ -1025,6 +1029,209 @@ fn bad_checkpoints_fail_the_binary_with_the_culprit_named() {
     let e = String::from_utf8_lossy(&out);
     assert!(
         e.starts_with("error:") && e.contains("99999") && e.contains("outside the vocabulary"),
+        "{e}"
+    );
+}
+
+type BadCase = (&'static str, tempfile::TempDir, Vec<&'static str>);
+
+/// A safetensors file from a raw JSON header and data bytes.
+fn raw_safetensors(path: &Path, header: &str, data: &[u8]) {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend_from_slice(data);
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// A copy of `src` whose `model.safetensors` is `edit`ed (the index, if
+/// any, is dropped so that the weights file alone is under test).
+fn copy_with_weights(
+    src: &Path,
+    edit: impl FnOnce(&mut std::collections::HashMap<String, mlx_rs::Array>),
+) -> tempfile::TempDir {
+    let dir = copy_with_config(src, |_| {});
+    let index = dir.path().join("model.safetensors.index.json");
+    if index.exists() {
+        std::fs::remove_file(&index).unwrap();
+    }
+    let file = dir.path().join("model.safetensors");
+    let mut t = mlx_rs::Array::load_safetensors(&file).unwrap();
+    edit(&mut t);
+    let tmp = dir.path().join("new.safetensors");
+    mlx_rs::Array::save_safetensors(t.iter().map(|(k, v)| (k.as_str(), v)), None, &tmp).unwrap();
+    drop(t);
+    std::fs::rename(&tmp, &file).unwrap();
+    dir
+}
+
+/// Weight files that are not what their header says, or hold the wrong
+/// tensors.
+fn bad_weight_files(src: &Path, cases: &mut Vec<BadCase>) {
+    let weights_file = |edit: &dyn Fn(&Path)| {
+        let dir = copy_with_config(src, |_| {});
+        let index = dir.path().join("model.safetensors.index.json");
+        if index.exists() {
+            std::fs::remove_file(&index).unwrap();
+        }
+        edit(&dir.path().join("model.safetensors"));
+        dir
+    };
+    cases.push((
+        "a header that is not JSON",
+        weights_file(&|p| raw_safetensors(p, "not json at all", &[])),
+        vec!["model.safetensors"],
+    ));
+    cases.push((
+        "a header claiming an absurd size",
+        weights_file(&|p| {
+            raw_safetensors(
+                p,
+                r#"{"w":{"dtype":"F32","shape":[1000000,1000000],"data_offsets":[0,4]}}"#,
+                &[0; 4],
+            )
+        }),
+        vec!["model.safetensors", "`w`"],
+    ));
+    cases.push((
+        "overlapping offsets",
+        weights_file(&|p| {
+            raw_safetensors(
+                p,
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+                &[0; 12],
+            )
+        }),
+        vec!["model.safetensors"],
+    ));
+    cases.push((
+        "a mis-shaped tensor",
+        copy_with_weights(src, |t| {
+            let w = &t["model.layers.0.self_attn.k_proj.weight"];
+            let flat = mlx_rs::ops::reshape(w, &[-1]).unwrap();
+            let bad = mlx_rs::ops::reshape(&flat, &[16, -1]).unwrap();
+            t.insert("model.layers.0.self_attn.k_proj.weight".into(), bad);
+        }),
+        vec![
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.safetensors",
+        ],
+    ));
+    cases.push((
+        "an extra tensor",
+        copy_with_weights(src, |t| {
+            let one = mlx_rs::Array::from_slice(&[1f32], &[1]);
+            t.insert("model.layers.0.surprise.weight".into(), one);
+        }),
+        vec!["model.layers.0.surprise.weight"],
+    ));
+    cases.push((
+        "an integer weight",
+        copy_with_weights(src, |t| {
+            let w = t["model.norm.weight"]
+                .as_dtype(mlx_rs::Dtype::Int32)
+                .unwrap();
+            t.insert("model.norm.weight".into(), w);
+        }),
+        vec!["model.norm.weight", "model.safetensors"],
+    ));
+}
+
+/// `config.json` missing, unreadable, or with a value of the wrong type or
+/// shape.
+fn bad_configs(src: &Path, cases: &mut Vec<BadCase>) {
+    let no_config = copy_with_config(src, |_| {});
+    std::fs::remove_file(no_config.path().join("config.json")).unwrap();
+    cases.push(("no config.json", no_config, vec!["config.json"]));
+    let not_json = copy_with_config(src, |_| {});
+    std::fs::write(not_json.path().join("config.json"), "{ \"model_type\": ").unwrap();
+    cases.push(("config.json not JSON", not_json, vec!["config.json"]));
+    cases.push((
+        "a key of the wrong type",
+        copy_with_config(src, |v| v["hidden_size"] = "wide".into()),
+        vec!["config.json", "hidden_size"],
+    ));
+    cases.push((
+        "key/value heads that do not divide the heads",
+        copy_with_config(src, |v| v["num_key_value_heads"] = 3.into()),
+        vec!["config.json", "num_key_value_heads"],
+    ));
+}
+
+/// Sharded checkpoints whose index and shards disagree.
+fn bad_shard_sets(cases: &mut Vec<BadCase>) {
+    let sharded = fixture_path("llama-f32-sharded");
+    let shard3 = "model-00003-of-00003.safetensors";
+    let gone = copy_with_config(&sharded, |_| {});
+    std::fs::remove_file(gone.path().join(shard3)).unwrap();
+    cases.push((
+        "an index naming a shard that is not there",
+        gone,
+        vec![shard3, "model.safetensors.index.json"],
+    ));
+    let stale = copy_with_config(&sharded, |_| {});
+    let index = stale.path().join("model.safetensors.index.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
+    v["weight_map"]
+        .as_object_mut()
+        .unwrap()
+        .retain(|_, f| f.as_str() != Some(shard3));
+    std::fs::write(&index, v.to_string()).unwrap();
+    cases.push((
+        "a shard left out of the index",
+        stale,
+        vec![shard3, "model.safetensors.index.json"],
+    ));
+}
+
+/// GGUF files cut short or with crafted counts, and broken tokenizer files
+/// and chat templates, through the binary.
+fn bad_gguf_and_tokenizers() {
+    let fail = |args: &[&str], model: &Path| -> String {
+        let out = mlex()
+            .args(args)
+            .arg("--model")
+            .arg(model)
+            .assert()
+            .failure()
+            .get_output()
+            .stderr
+            .clone();
+        let e = String::from_utf8_lossy(&out).into_owned();
+        assert!(e.starts_with("error:") && !e.contains("panicked"), "{e}");
+        e
+    };
+    let ids = ["generate", "--prompt-ids", "1,2,3"];
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = std::fs::read(fixture_path("gguf-f32")).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &gguf[..gguf.len() / 3]).unwrap();
+    let e = fail(&ids, &cut);
+    assert!(e.contains("cut.gguf"), "{e}");
+    // Version 3, 2^62 tensors, no metadata.
+    let mut crafted = b"GGUF".to_vec();
+    crafted.extend_from_slice(&3u32.to_le_bytes());
+    crafted.extend_from_slice(&(1u64 << 62).to_le_bytes());
+    crafted.extend_from_slice(&0u64.to_le_bytes());
+    let crafted_path = dir.path().join("crafted.gguf");
+    std::fs::write(&crafted_path, crafted).unwrap();
+    let e = fail(&ids, &crafted_path);
+    assert!(e.contains("crafted.gguf"), "{e}");
+
+    let chat = fixture_path("qwen3-chat");
+    let corrupt = copy_with_config(&chat, |_| {});
+    std::fs::write(corrupt.path().join("tokenizer.json"), "{\"model\": 7").unwrap();
+    let e = fail(&["generate", "--prompt", "hello"], corrupt.path());
+    assert!(e.contains("tokenizer.json"), "{e}");
+    let template = copy_with_config(&chat, |_| {});
+    let tc = template.path().join("tokenizer_config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    v["chat_template"] = "{{ raise_exception('no system prompts here') }}".into();
+    std::fs::write(&tc, v.to_string()).unwrap();
+    let e = fail(&["generate", "--prompt", "hello"], template.path());
+    assert!(
+        e.contains("tokenizer_config.json") && e.contains("chat_template"),
         "{e}"
     );
 }

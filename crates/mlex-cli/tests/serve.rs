@@ -259,6 +259,10 @@ fn chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx() {
             "max_tokens",
         ),
         (json!({"messages": "hi"}), "messages"),
+        (
+            json!({"messages": [{"role": "user", "content": "hi ".repeat(9000)}]}),
+            "exceeds the context",
+        ),
         (json!({"prompt": "x"}), "messages"),
         (
             json!({"messages": [{"role": "user", "content": ""}], "model": "other"}),

@@ -187,12 +187,15 @@ fn two_hundred_chat_turns_hold_only_what_the_prompt_cache_counts() {
     let active2 = active_memory().unwrap();
     eprintln!("emptied prompt cache: active {:.2} MB", active2 as f64 / MB);
     // Live memory beyond the model is the prompt cache's: emptying it gives
-    // everything back (below). Its byte count is logical and sees less than
-    // is live (here 10.7 MB live against 7.4 MB counted for 400 snapshots;
-    // not the conv-window views, a forced copy changed nothing; open), so
-    // allow up to twice the count.
+    // everything back (below). Its byte count is logical. Before conv
+    // windows were gathered out of the prefill's padded input, each window
+    // shared that input's buffer (MLX shares when it is at most 16 KB
+    // larger, as it is at this fixture's widths): 10.7 MB live against
+    // 7.4 MB counted. What remains uncounted is each decode window's one
+    // extra row (a view of the `K`-row padded input) and MLX's buffer
+    // donation, which may give an output a buffer up to 16 KB larger.
     assert!(
-        active1 <= active0 + 2 * held + (1 << 20),
+        active1 <= active0 + held + held / 8 + (1 << 20),
         "active {active0} -> {active1}, cache {held}, emptied {active2}"
     );
     assert!(

@@ -143,20 +143,23 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 });
             }
         }
+        // A shard beside the others that the index leaves out would be
+        // skipped, and its tensors reported missing with no word of why.
+        for p in model_safetensors(dir)? {
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            if let Some(name) = name.filter(|n| n.contains("-of-") && !files.contains(n)) {
+                return Err(Error::Config {
+                    file: index.clone(),
+                    key: "weight_map".into(),
+                    message: format!(
+                        "does not name shard `{name}`, which is in the directory (a stale index?)"
+                    ),
+                });
+            }
+        }
         return Ok(paths);
     }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| Error::io(dir, e))?
-        .flatten()
-        .map(|e| e.path())
-        // mlx-lm's rule: `model*.safetensors`.
-        .filter(|p| {
-            p.extension().is_some_and(|e| e == "safetensors")
-                && p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with("model"))
-        })
-        .collect();
-    files.sort();
+    let files = model_safetensors(dir)?;
     if files.is_empty() {
         return Err(Error::MissingTensor {
             name: "(any weights)".into(),
@@ -164,6 +167,76 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         });
     }
     Ok(files)
+}
+
+/// The `model*.safetensors` files of a directory (mlx-lm's rule), sorted.
+fn model_safetensors(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| Error::io(dir, e))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.extension().is_some_and(|e| e == "safetensors")
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("model"))
+        })
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// The index of a sharded checkpoint agrees with its shards: every tensor
+/// it maps is in the shard it names, and every tensor of a shard is mapped.
+/// A stale index is a broken download or a hand edit; reading past it would
+/// load weights nobody asked for or report them missing under the wrong
+/// file.
+fn check_index(dir: &Path, weights: &WeightMap) -> Result<()> {
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Ok(());
+    }
+    let cfg = ModelConfig::from_file(&index)?;
+    let Some(map) = cfg.value().get("weight_map").and_then(Value::as_object) else {
+        return Err(cfg.error("weight_map", "missing or not an object"));
+    };
+    for (name, file) in map {
+        let Some(file) = file.as_str() else {
+            return Err(cfg.error("weight_map", format!("`{name}` maps to a non-string")));
+        };
+        let shard = dir.join(file);
+        match weights.file_of(name) {
+            None => {
+                return Err(Error::MissingTensor {
+                    name: name.clone(),
+                    files: vec![shard, index],
+                })
+            }
+            Some(found) if found != shard => {
+                return Err(cfg.error(
+                    "weight_map",
+                    format!(
+                        "maps `{name}` to `{file}`, but it is in `{}`",
+                        found.file_name().unwrap_or_default().to_string_lossy()
+                    ),
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    if let Some(extra) = weights.names().into_iter().find(|n| !map.contains_key(n)) {
+        let shard = weights
+            .file_of(&extra)
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        return Err(cfg.error(
+            "weight_map",
+            format!(
+                "does not map tensor `{extra}`, which is in `{}`",
+                shard.file_name().unwrap_or_default().to_string_lossy()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// FNV-1a over bytes (a stable, dependency-free fingerprint).
@@ -220,6 +293,7 @@ pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
                 .architecture(&model_type)
                 .map_err(|e| with_file(e, &cfg_path))?;
             let weights = WeightMap::load_safetensors(&weight_files(dir)?)?;
+            check_index(dir, &weights)?;
             (config, weights, None)
         }
         ModelSource::Gguf(path) => {

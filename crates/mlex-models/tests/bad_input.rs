@@ -36,6 +36,97 @@ fn rewrite_weights(path: &Path, f: impl FnOnce(&mut HashMap<String, Array>)) {
     f(&mut t);
     std::fs::remove_file(&file).unwrap();
     Array::save_safetensors(t.iter().map(|(k, v)| (k.as_str(), v)), None, &file).unwrap();
+    // Keep the index in step, so that the error is the one under test.
+    let index = path.join("model.safetensors.index.json");
+    if index.exists() {
+        let map: serde_json::Map<String, serde_json::Value> = t
+            .keys()
+            .map(|k| (k.clone(), "model.safetensors".into()))
+            .collect();
+        let v = serde_json::json!({ "metadata": {}, "weight_map": map });
+        std::fs::write(&index, v.to_string()).unwrap();
+    }
+}
+
+/// Edits the `weight_map` of a sharded fixture's index.
+fn edit_index(dir: &Path, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let index = dir.join("model.safetensors.index.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
+    f(v["weight_map"].as_object_mut().unwrap());
+    std::fs::write(&index, v.to_string()).unwrap();
+}
+
+#[test]
+fn an_index_out_of_step_with_its_shards_is_named() {
+    let shard = |n: u32| format!("model-0000{n}-of-00003.safetensors");
+    let mapped_to = |dir: &Path, n: u32| -> Vec<String> {
+        let index = dir.join("model.safetensors.index.json");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(index).unwrap()).unwrap();
+        let mut names: Vec<String> = v["weight_map"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(_, f)| f.as_str() == Some(shard(n).as_str()))
+            .map(|(k, _)| k.clone())
+            .collect();
+        names.sort();
+        names
+    };
+
+    // A shard in the directory that the index leaves out.
+    let (_d, dir) = copy_fixture("llama-f32-sharded");
+    let third = mapped_to(&dir, 3);
+    edit_index(&dir, |m| m.retain(|k, _| !third.contains(k)));
+    let e = load_err(&dir).to_string();
+    assert!(
+        e.contains("index.json") && e.contains(&shard(3)) && e.contains("does not name"),
+        "{e}"
+    );
+
+    // A tensor of a shard that the index does not map.
+    let (_d, dir) = copy_fixture("llama-f32-sharded");
+    let name = mapped_to(&dir, 2)[0].clone();
+    edit_index(&dir, |m| {
+        m.remove(&name);
+    });
+    let e = load_err(&dir).to_string();
+    assert!(
+        e.contains("index.json") && e.contains(&name) && e.contains(&shard(2)),
+        "{e}"
+    );
+
+    // The index maps a tensor to the wrong shard.
+    let (_d, dir) = copy_fixture("llama-f32-sharded");
+    let name = mapped_to(&dir, 1)[0].clone();
+    edit_index(&dir, |m| {
+        m.insert(name.clone(), shard(2).into());
+    });
+    let e = load_err(&dir).to_string();
+    assert!(
+        e.contains("index.json") && e.contains(&name) && e.contains(&shard(1)),
+        "{e}"
+    );
+
+    // The index maps a tensor that its shard does not hold.
+    let (_d, dir) = copy_fixture("llama-f32-sharded");
+    let name = mapped_to(&dir, 1)[0].clone();
+    let file = dir.join(shard(1));
+    let mut t = Array::load_safetensors(&file).unwrap();
+    t.remove(&name);
+    std::fs::remove_file(&file).unwrap();
+    Array::save_safetensors(t.iter().map(|(k, v)| (k.as_str(), v)), None, &file).unwrap();
+    match load_err(&dir) {
+        Error::MissingTensor { name: n, files } => {
+            assert_eq!(n, name);
+            assert!(files.iter().any(|f| f.ends_with(shard(1))), "{files:?}");
+            assert!(files
+                .iter()
+                .any(|f| f.ends_with("model.safetensors.index.json")));
+        }
+        e => panic!("expected a missing tensor, got {e}"),
+    }
 }
 
 #[test]

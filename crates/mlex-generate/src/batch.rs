@@ -31,7 +31,7 @@
 //! architecture has code of its own here; a cache kind that cannot batch
 //! (the sliding-window KV) is refused with an error naming it.
 
-use crate::generate::{Finish, Flow, GenerateOptions, Generator};
+use crate::generate::{Finish, Flow, GenerateOptions, Generator, CONTEXT_HINT};
 use crate::sampler::Sampler;
 use mlex_cache::BatchKvCache;
 use mlex_core::error::{Error, Result};
@@ -65,6 +65,9 @@ pub struct BatchStats {
     pub prefill_tokens: usize,
     /// Prompt tokens restored from the prompt cache instead.
     pub reused_tokens: usize,
+    /// Of `prefill_tokens`, those fed through decode steps (prompt tails
+    /// of at most [`FEED_MAX`] tokens after a prompt-cache hit).
+    pub tail_tokens: usize,
     /// Wall time of admissions (prefill, until the first tokens exist).
     pub prefill_time: Duration,
     /// Wall time of decode steps (graph building, waiting for the device,
@@ -93,7 +96,21 @@ struct Active {
     history: Option<Array>,
     context: usize,
     out: Vec<u32>,
+    /// Prompt tokens still to feed after the one in `next` (a prompt tail
+    /// fed through the batched decode, see [`FEED_MAX`]).
+    prompt_rest: VecDeque<u32>,
+    /// The token in `next` for this row is a prompt token, not an output.
+    next_is_prompt: bool,
 }
+
+/// A request whose prompt the prompt cache covers to within this many
+/// tokens feeds the rest through the batched decode steps, one token a
+/// step, instead of a prefill of its own. A one-token prefill costs the
+/// host about what a whole decode step does (an uncompiled forward and an
+/// evaluation per admission), and repeated prompts (a chat's regenerate,
+/// clients sending the same request) leave one token to feed. Longer tails
+/// are prefilled, and recorded in the prompt cache.
+pub const FEED_MAX: usize = 4;
 
 impl Active {
     /// True when this row can use the batch-wide argmax.
@@ -222,10 +239,27 @@ impl<'g> BatchGenerator<'g> {
         let cache = self.cache.as_mut().expect("a used batch has caches");
         let inp = ops::reshape(&feed, &[rows, 1])?;
         let logits = self.gen.step(&inp, cache)?;
-        let sampled = self.sample(&logits)?;
+        let mut sampled = self.sample(&logits)?;
+        // Rows still in their prompt feed its next token instead.
+        let fed_prompt: Vec<bool> = self
+            .slots
+            .iter()
+            .map(|s| s.as_ref().is_some_and(|a| a.next_is_prompt))
+            .collect();
+        for (r, slot) in self.slots.iter_mut().enumerate() {
+            let Some(a) = slot else { continue };
+            a.next_is_prompt = match a.prompt_rest.pop_front() {
+                Some(t) => {
+                    let r = r as i32;
+                    sampled.try_index_mut(r..r + 1, Array::from_slice(&[t], &[1]))?;
+                    true
+                }
+                None => false,
+            };
+        }
         async_eval([&sampled])?;
         self.stats.steps += 1;
-        self.emit(&feed, on_token)?;
+        self.emit(&feed, &fed_prompt, on_token)?;
         self.next = Some(sampled);
         self.compact()?;
         self.stats.decode_time += started.elapsed();
@@ -274,7 +308,7 @@ impl<'g> BatchGenerator<'g> {
             return Err(Error::PromptTooLong {
                 len: prompt.len(),
                 max: limit,
-                hint: Some("max_position_embeddings in config.json".into()),
+                hint: Some(CONTEXT_HINT.into()),
             });
         }
         if opts.max_tokens == 0 {
@@ -309,15 +343,23 @@ impl<'g> BatchGenerator<'g> {
         let (cached, fresh): (Vec<usize>, Vec<usize>) =
             (0..group.len()).partition(|&i| group[i].2.use_prompt_cache);
         let prompts: Vec<&[u32]> = fresh.iter().map(|&i| group[i].1.as_slice()).collect();
-        let mut prefilled: Vec<Option<(ModelCache, Array, usize)>> =
+        let mut prefilled: Vec<Option<(ModelCache, Option<Array>, usize)>> =
             (0..group.len()).map(|_| None).collect();
         for (&i, (c, l)) in fresh.iter().zip(self.prefill_group(&prompts)?) {
-            prefilled[i] = Some((c, l, 0));
+            prefilled[i] = Some((c, Some(l), 0));
         }
         for &i in &cached {
-            prefilled[i] = Some(self.prefill_cached(&group[i].1)?);
+            let prompt = &group[i].1;
+            let hit = self.gen.prompt_cache.lookup(prompt);
+            prefilled[i] = Some(match hit {
+                Some(h) if prompt.len() - h.reused <= FEED_MAX => (h.cache, None, h.reused),
+                hit => {
+                    let (c, l, r) = self.prefill_cached(prompt, hit)?;
+                    (c, Some(l), r)
+                }
+            });
         }
-        let prefilled: Vec<(ModelCache, Array, usize)> = prefilled
+        let prefilled: Vec<(ModelCache, Option<Array>, usize)> = prefilled
             .into_iter()
             .map(|p| p.expect("every request prefilled"))
             .collect();
@@ -347,8 +389,25 @@ impl<'g> BatchGenerator<'g> {
                     .collect();
                 Array::from_slice(&tail, &[1, tail.len() as i32])
             });
-            let first = sampler.sample(&logits, history.as_ref())?;
-            firsts.push(first.clone());
+            // With logits, the first output; without, the first prompt
+            // token the cache does not cover.
+            let mut prompt_rest: VecDeque<u32> = prompt[reused..].iter().copied().collect();
+            let first = match &logits {
+                Some(l) => {
+                    prompt_rest.clear();
+                    let first = sampler.sample(l, history.as_ref())?;
+                    firsts.push(first.clone());
+                    first
+                }
+                None => {
+                    self.stats.tail_tokens += prompt_rest.len();
+                    let t = prompt_rest
+                        .pop_front()
+                        .expect("a hit leaves a token to feed");
+                    Array::from_slice(&[t], &[1])
+                }
+            };
+            let next_is_prompt = logits.is_none();
             let next = self.next.as_mut().expect("ensure_rows made the tokens");
             let r = row as i32;
             next.try_index_mut(r..r + 1, &first)?;
@@ -364,6 +423,8 @@ impl<'g> BatchGenerator<'g> {
                 history,
                 context: limit,
                 out: Vec::new(),
+                prompt_rest,
+                next_is_prompt,
             });
         }
         eval(firsts.iter())?;
@@ -376,9 +437,13 @@ impl<'g> BatchGenerator<'g> {
     /// restored, the rest prefilled (recurrent state snapshotted every
     /// `checkpoint_every` tokens), and the prompt recorded for later
     /// requests. Returns its batch-1 caches, last logits and reused count.
-    fn prefill_cached(&mut self, prompt: &[u32]) -> Result<(ModelCache, Array, usize)> {
+    fn prefill_cached(
+        &mut self,
+        prompt: &[u32],
+        hit: Option<mlex_cache::PrefixHit>,
+    ) -> Result<(ModelCache, Array, usize)> {
         let g = &mut *self.gen;
-        let (cache, logits, reused, mut checkpoints) = g.restore_and_prefill(prompt, true)?;
+        let (cache, logits, reused, mut checkpoints) = g.prefill_after(prompt, hit, true)?;
         checkpoints.push((prompt.len(), mlex_cache::StateSnapshot::of(&cache)));
         g.prompt_cache.insert(prompt, cache.clone(), checkpoints);
         Ok((cache, logits, reused))
@@ -494,20 +559,25 @@ impl<'g> BatchGenerator<'g> {
         for (r, slot) in self.slots.iter_mut().enumerate() {
             let r = r as i32;
             match slot {
-                Some(a) => {
+                // A row that feeds another prompt token next discards its
+                // logits; its sampler (and its random stream) is not used.
+                Some(a) if a.prompt_rest.is_empty() => {
                     let row = logits.try_index(r..r + 1)?;
                     parts.push(a.sampler.sample(&row, a.history.as_ref())?);
                 }
+                Some(_) => parts.push(ops::zeros_dtype(&[1], Dtype::Uint32)?),
                 None => parts.push(ops::zeros_dtype(&[1], Dtype::Uint32)?),
             }
         }
         Ok(ops::concatenate(&parts, 0)?)
     }
 
-    /// Hands out the tokens fed this step and retires finished rows.
+    /// Hands out the tokens fed this step (but not the prompt tokens, per
+    /// `fed_prompt`) and retires finished rows.
     fn emit(
         &mut self,
         fed: &Array,
+        fed_prompt: &[bool],
         on_token: &mut dyn FnMut(SeqId, u32) -> Result<Flow>,
     ) -> Result<()> {
         let waited = Instant::now();
@@ -518,6 +588,8 @@ impl<'g> BatchGenerator<'g> {
             let Some(a) = slot else { continue };
             let finish = if self.cancelled.remove(&a.id) {
                 Some(Finish::Cancelled)
+            } else if fed_prompt[r] {
+                None
             } else {
                 let tok = ids[r];
                 a.out.push(tok);

@@ -22,6 +22,14 @@ use mlx_rs::{ops, Array, Dtype};
 use std::collections::BTreeSet;
 use std::time::Instant;
 
+/// A prefilled prompt: its batch-1 cache, last logits, the count of
+/// tokens restored from the prompt cache, and recurrent-state checkpoints.
+pub(crate) type Prefilled = (ModelCache, Array, usize, Vec<(usize, StateSnapshot)>);
+
+/// Where a model's context length comes from, for errors about it.
+pub(crate) const CONTEXT_HINT: &str =
+    "max_position_embeddings in config.json, or <arch>.context_length in a GGUF file";
+
 /// What the token callback wants next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flow {
@@ -228,17 +236,29 @@ impl Generator {
     /// checkpoints when the cache is used and the model has fixed-size
     /// state (holding them costs no copy of the KV caches). Returns the
     /// cache, the last logits, the reused token count and the checkpoints.
-    #[allow(clippy::type_complexity)]
     pub(crate) fn restore_and_prefill(
         &mut self,
         prompt: &[u32],
         use_cache: bool,
-    ) -> Result<(ModelCache, Array, usize, Vec<(usize, StateSnapshot)>)> {
+    ) -> Result<Prefilled> {
         let hit = if use_cache {
             self.prompt_cache.lookup(prompt)
         } else {
             None
         };
+        self.prefill_after(prompt, hit, use_cache)
+    }
+
+    /// The rest of [`Generator::restore_and_prefill`], from a lookup already
+    /// made: prefills what `hit` does not cover, with checkpoints when
+    /// `record`.
+    pub(crate) fn prefill_after(
+        &mut self,
+        prompt: &[u32],
+        hit: Option<mlex_cache::PrefixHit>,
+        record: bool,
+    ) -> Result<Prefilled> {
+        let use_cache = record;
         let (mut cache, reused) = match hit {
             Some(h) => (h.cache, h.reused),
             None => (self.model.make_cache(1)?, 0),
@@ -276,7 +296,7 @@ impl Generator {
             return Err(Error::PromptTooLong {
                 len: prompt.len(),
                 max: limit,
-                hint: Some("max_position_embeddings in config.json".into()),
+                hint: Some(CONTEXT_HINT.into()),
             });
         }
         let mut sampler = Sampler::new(opts.sampler.clone(), vocab)?;

@@ -298,6 +298,71 @@ fn batched_requests_reuse_a_shared_prefix_through_the_prompt_cache() {
     }
 }
 
+/// Requests the prompt cache covers to within a few tokens feed the rest
+/// through the batched decode steps (no prefill of their own): a repeated
+/// prompt (one token left) and a prompt extending a cached one by two
+/// tokens, joining while a fresh prompt decodes, equal cold one-at-a-time
+/// runs, on a hybrid (restored from a checkpoint) and an attention model.
+#[test]
+fn prompt_tails_fed_through_the_batch_equal_cold_runs() {
+    for name in ["qwen3_5-f32", "llama-f32"] {
+        let f = fixture(name);
+        let mut g = generator(&f, true);
+        g.checkpoint_every = 16;
+        let vocab = g.model.vocab_size() as u32;
+        let a = random_ids(81, 49, vocab);
+        let mut longer = a.clone();
+        longer.extend(random_ids(82, 2, vocab));
+        let fresh = random_ids(83, 21, vocab);
+        let prompts = [a.clone(), longer.clone(), fresh.clone()];
+        let want: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                g.generate(p, &opts(12), &mut |_| Ok(Flow::Continue))
+                    .unwrap()
+                    .tokens
+            })
+            .collect();
+        let cached = |n| GenerateOptions {
+            use_prompt_cache: true,
+            ..opts(n)
+        };
+        let mut e = BatchGenerator::new(&mut g, 4).unwrap();
+        e.submit(a.clone(), cached(1));
+        e.run(&mut |_, _| Ok(Flow::Continue)).unwrap();
+        let computed_before = e.stats().prefill_tokens;
+        let f_id = e.submit(fresh.clone(), opts(12));
+        // Two decode steps, then the cached ones join.
+        let mut got = Vec::new();
+        for _ in 0..2 {
+            got.extend(e.step(&mut |_, _| Ok(Flow::Continue)).unwrap());
+        }
+        let a_id = e.submit(a.clone(), cached(12));
+        let l_id = e.submit(longer.clone(), cached(12));
+        got.extend(e.run(&mut |_, _| Ok(Flow::Continue)).unwrap());
+        let out = |id: SeqId| {
+            got.iter()
+                .find(|(i, _)| *i == id)
+                .map(|(_, r)| r.as_ref().unwrap().clone())
+                .unwrap()
+        };
+        let (ra, rl, rf) = (out(a_id), out(l_id), out(f_id));
+        assert_eq!(rf.tokens, want[2], "{name}: fresh");
+        assert_eq!(ra.tokens, want[0], "{name}: repeated prompt");
+        assert_eq!(rl.tokens, want[1], "{name}: extended prompt");
+        // The repeat restores 48 (a checkpoint, or a trim); the extension
+        // the whole cached prompt. Each computes only its tail.
+        assert_eq!((ra.reused_tokens, rl.reused_tokens), (48, 49), "{name}");
+        assert_eq!(
+            e.stats().prefill_tokens - computed_before,
+            fresh.len() + 1 + 2,
+            "{name}"
+        );
+        // Both tails went through the decode steps, not a prefill.
+        assert_eq!(e.stats().tail_tokens, 1 + 2, "{name}");
+    }
+}
+
 /// Max |a - b| over two arrays of one shape, in f32, relative to the
 /// largest |b| (or to 1, when that is smaller).
 fn array_diff(a: &mlx_rs::Array, b: &mlx_rs::Array) -> f32 {

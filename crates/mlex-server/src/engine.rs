@@ -84,9 +84,10 @@ fn prompt_ids(tok: &Tokenizer, p: &Prompt) -> mlex_core::Result<Vec<u32>> {
 /// The engine's totals over the server's life, where its time went.
 fn log_totals(st: &mlex_generate::BatchStats) {
     eprintln!(
-        "mlex serve: engine totals: {} prompt tokens computed, {} reused, in {:.2} s of admissions; \
+        "mlex serve: engine totals: {} prompt tokens computed ({} of them as tails in decode steps), {} reused, in {:.2} s of admissions; \
          {} tokens in {} decode steps, {:.2} s (of it {:.2} s waiting for the device, {:.2} s handing out tokens)",
         st.prefill_tokens,
+        st.tail_tokens,
         st.reused_tokens,
         st.prefill_time.as_secs_f64(),
         st.generated_tokens,

@@ -45,6 +45,15 @@ PY
 fi
 echo "== one sequence (prompt 128, 128 tokens), for the gain of batching"
 for s in ${SHAPES//,/ }; do printf "%-12s " $s; $M bench --model /tmp/models/$s-real --prompt-len 128 --gen 128 --format json | tail -1; done
+# Untimed: each engine once per shape and batch size before the pairs, so
+# that neither pays alone for the cold page cache of the checkpoint or for
+# compiling kernels the other has already compiled (the first mlex run of a
+# fresh machine was the slowest of its pairs before this).
+echo "== warm-up, both engines (untimed)"
+for s in ${SHAPES//,/ }; do for b in ${BATCHES//,/ }; do
+  $M bench --model /tmp/models/$s-real --batch $b --prompt-len 128 --gen 16 --format json > /dev/null
+  python3 $B/mlxlm_batch_bench.py /tmp/models/$s-real --batch $b --prompt-len 128 --gen 16 --device gpu > /dev/null
+done; done
 python3 $B/bench_vs_mlxlm.py --mlex $M --models /tmp/models --device gpu --scale real \
   --shapes "$SHAPES" --quants bf16 --batches "$BATCHES" --prompt-lens 128 --gen 128 --pairs "$PAIRS" \
   --timeout 150 --deadline "$DEADLINE" --out "$O/batch-vs-mlxlm" 2>&1 | tail -40

@@ -195,6 +195,16 @@ impl PromptCache {
         self.entries.iter().map(Entry::nbytes).sum()
     }
 
+    /// Of [`PromptCache::nbytes`], the bytes of the state snapshots (the
+    /// checkpoints prefix reuse restores), not of the entries' own caches.
+    pub fn snapshot_nbytes(&self) -> usize {
+        self.entries
+            .iter()
+            .flat_map(|e| e.snapshots.values())
+            .map(StateSnapshot::nbytes)
+            .sum()
+    }
+
     /// The token boundaries of each entry's state snapshots, ascending (what
     /// a lookup can restore to besides an entry's end).
     pub fn snapshot_boundaries(&self) -> Vec<Vec<usize>> {

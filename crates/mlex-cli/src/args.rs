@@ -254,6 +254,12 @@ pub struct BenchArgs {
     /// aggregate prefill, decode and overall tok/s.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub batch: Option<u32>,
+    /// Time to first token of a `--prompt-len` prompt that shares its first
+    /// N tokens with one run before it (prefix reuse through the prompt
+    /// cache), against the same prompt cold; `--repeats` alternating pairs,
+    /// one process, after a warm-up of both.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "batch")]
+    pub shared_prefix: Option<u32>,
     /// Output format.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,

@@ -217,7 +217,7 @@ fn generate_json_matches_mlx_lm_greedy_tokens() {
             assert_eq!(v["prompt_tokens"], r.prompt.len());
             assert_eq!(v["generated_tokens"], 32);
             assert_eq!(v["compiled"], compile);
-            for k in ["prefill_tok_s", "decode_tok_s"] {
+            for k in ["prefill_tok_s", "decode_tok_s", "ttft_s"] {
                 assert!(v[k].as_f64().unwrap() > 0.0, "{k}");
             }
             assert!(v.get("text").is_some());
@@ -248,6 +248,12 @@ fn bench_reports_speed_and_memory() {
     let v = last_json(&out);
     assert!(v["prefill_tok_s"].as_f64().unwrap() > 0.0);
     assert!(v["decode_tok_s"].as_f64().unwrap() > 0.0);
+    // Time to the first token is the prefill's: computed tokens over it
+    // give the prefill rate.
+    let ttft = v["ttft_s"].as_f64().unwrap();
+    let computed = v["prompt_tokens"].as_f64().unwrap();
+    assert!(ttft > 0.0);
+    assert!((computed / ttft / v["prefill_tok_s"].as_f64().unwrap() - 1.0).abs() < 1e-6);
     assert!(v["peak_memory_bytes"].as_u64().unwrap() > 0);
     assert_eq!(v["generated_tokens"], 8);
 }
@@ -892,6 +898,58 @@ fn bench_batch_reports_aggregate_throughput() {
     for k in ["agg_tok_s", "prefill_tok_s", "decode_tok_s", "seconds"] {
         assert!(v[k].as_f64().unwrap() > 0.0, "{k}: {v}");
     }
+}
+
+/// `bench --shared-prefix`: the warm prompt restores the deepest
+/// checkpoint at or before the shared length, and the checkpoints' bytes
+/// are part of the prompt cache's.
+#[test]
+fn bench_shared_prefix_reports_cold_and_warm_time_to_first_token() {
+    let p = fixture_path("qwen3_5-f32");
+    let out = mlex()
+        .args(["bench", "--prompt-len", "300", "--shared-prefix", "200"])
+        .args(["--checkpoint-every", "64", "--repeats", "2"])
+        .args(["--format", "json", "--model"])
+        .arg(&p)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    assert_eq!(v["shared_tokens"], 200);
+    assert_eq!(v["reused_tokens"], 192, "{v}");
+    assert_eq!(v["pairs"], 2);
+    // Checkpoints at 64, 128, 192 and 256; the prompt's end is the entry.
+    assert_eq!(v["checkpoints"], 4, "{v}");
+    let (cache, snaps) = (
+        v["prompt_cache_bytes"].as_u64().unwrap(),
+        v["checkpoint_bytes"].as_u64().unwrap(),
+    );
+    assert!(snaps > 0 && snaps < cache, "{v}");
+    for k in ["ttft_cold_s", "ttft_warm_s"] {
+        assert!(v[k].as_f64().unwrap() > 0.0, "{k}: {v}");
+    }
+    let out = mlex()
+        .args([
+            "bench",
+            "--prompt-len",
+            "300",
+            "--shared-prefix",
+            "300",
+            "--model",
+        ])
+        .arg(&p)
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(
+        e.contains("--shared-prefix") && !e.contains("panicked"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -30,6 +30,7 @@ pub type Harness = fn(&[u8]);
 pub const TARGETS: &[(&str, Harness)] = &[
     ("gguf_header", gguf_header),
     ("safetensors_header", safetensors_header),
+    ("safetensors_index", safetensors_index),
     ("config_json", config_json),
     ("tokenizer_json", tokenizer_json),
     ("chat_template", chat_template),
@@ -45,6 +46,23 @@ pub fn gguf_header(data: &[u8]) {
 pub fn safetensors_header(data: &[u8]) {
     let f = scratch("model.safetensors", data);
     let _ = mlex_core::weights::validate_safetensors(&f.path);
+}
+
+/// A sharded checkpoint's `model.safetensors.index.json`
+/// (`mlex_models::load::load_weights`), beside two small valid shards that
+/// it may or may not describe.
+pub fn safetensors_index(data: &[u8]) {
+    let f = scratch("model.safetensors.index.json", data);
+    let dir = f.path.parent().expect("a scratch directory");
+    for (i, name) in ["a.weight", "b.weight"].iter().enumerate() {
+        let shard = dir.join(format!("model-0000{}-of-00002.safetensors", i + 1));
+        let header = format!(r#"{{"{name}":{{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}}}"#);
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(&[0; 8]);
+        std::fs::write(shard, bytes).expect("a scratch shard");
+    }
+    let _ = mlex_models::load::load_weights(dir);
 }
 
 /// `config.json` parsing and every registered architecture's plan for it.

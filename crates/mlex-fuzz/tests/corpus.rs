@@ -38,4 +38,20 @@ fn the_seeds_are_accepted() {
     mlex_models::gguf::validate_gguf(&seed("gguf_header", "tiny.gguf")).unwrap();
     mlex_core::weights::validate_safetensors(&seed("safetensors_header", "tiny.safetensors"))
         .unwrap();
+    // The index that describes the harness's two shards loads them both.
+    let dir = tempfile::tempdir().unwrap();
+    let index = std::fs::read(seed("safetensors_index", "valid.json")).unwrap();
+    std::fs::write(dir.path().join("model.safetensors.index.json"), index).unwrap();
+    for (i, name) in ["a.weight", "b.weight"].iter().enumerate() {
+        let header = format!(r#"{{"{name}":{{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}}}"#);
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend_from_slice(&[0; 8]);
+        let shard = dir
+            .path()
+            .join(format!("model-0000{}-of-00002.safetensors", i + 1));
+        std::fs::write(shard, bytes).unwrap();
+    }
+    let w = mlex_models::load::load_weights(dir.path()).unwrap();
+    assert_eq!(w.len(), 2);
 }

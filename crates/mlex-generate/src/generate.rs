@@ -274,6 +274,24 @@ impl Generator {
         Ok((cache, logits, reused, checkpoints))
     }
 
+    /// The last-position logits `[1, V]` of `prompt`, prefilled as
+    /// [`Generator::generate`] prefills it (from the deepest cached prefix
+    /// when `use_prompt_cache`), and the count of tokens restored. Nothing
+    /// is recorded or generated: this is for comparing a restored prefix
+    /// with a cold prefill.
+    pub fn prompt_logits(
+        &mut self,
+        prompt: &[u32],
+        use_prompt_cache: bool,
+    ) -> Result<(Array, usize)> {
+        if prompt.is_empty() {
+            return Err(Error::invalid("prompt", "is empty"));
+        }
+        let (_, logits, reused, _) = self.restore_and_prefill(prompt, use_prompt_cache)?;
+        logits.eval()?;
+        Ok((logits, reused))
+    }
+
     /// Generates from `prompt`, calling `on_token` with every new id.
     pub fn generate(
         &mut self,

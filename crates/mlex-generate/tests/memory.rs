@@ -28,9 +28,15 @@ fn opts(max_tokens: usize, use_prompt_cache: bool) -> GenerateOptions {
 }
 
 /// Resident set size in bytes (Linux), after MLX gives back the buffers it
-/// keeps for reuse.
+/// keeps for reuse and the C allocator the free pages it keeps (what stays
+/// is held, not merely cached).
 fn rss() -> usize {
     mlx_rs::memory::clear_cache().unwrap();
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the system.
+    unsafe {
+        libc::malloc_trim(0);
+    }
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
     let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
     pages * 4096
@@ -101,7 +107,7 @@ fn a_thousand_batch_joins_and_leaves_keep_memory_flat() {
         active1 <= active0 + (1 << 16),
         "active {active0} -> {active1}"
     );
-    assert!(rss1 < rss0 + (64 << 20), "RSS {rss0} -> {rss1}");
+    assert!(rss1 < rss0 + (8 << 20), "RSS {rss0} -> {rss1}");
 }
 
 fn a_4000_token_generation_returns_its_memory() {
@@ -136,8 +142,9 @@ fn a_4000_token_generation_returns_its_memory() {
         "peak {}",
         out.peak_memory_bytes
     );
-    // RSS: MLX keeps freed buffers for reuse; growth stays bounded.
-    assert!(rss1 < rss0 + (64 << 20), "RSS {rss0} -> {rss1}");
+    // RSS, once MLX and the C allocator give back what they keep for
+    // reuse: no growth beyond slack (measured: 22.8 -> 20.3 MB).
+    assert!(rss1 < rss0 + (8 << 20), "RSS {rss0} -> {rss1}");
 }
 
 fn two_hundred_chat_turns_hold_only_what_the_prompt_cache_counts() {
@@ -202,5 +209,10 @@ fn two_hundred_chat_turns_hold_only_what_the_prompt_cache_counts() {
         active2 <= active0 + (1 << 16),
         "an emptied prompt cache gives back all: {active0} -> {active2}"
     );
-    assert!(rss1 < rss0 + held + (64 << 20), "RSS {rss0} -> {rss1}");
+    // RSS grows by what stays live (measured: 11.0 MB against 8.2 MB live)
+    // plus allocator slack.
+    assert!(
+        rss1 < rss0 + (active1 - active0) + (8 << 20),
+        "RSS {rss0} -> {rss1}, live {active0} -> {active1}"
+    );
 }

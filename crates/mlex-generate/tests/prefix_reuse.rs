@@ -1,7 +1,9 @@
 //! Prefix reuse at any divergence point: a prompt that shares `d` tokens
 //! with an earlier one restores the deepest recurrent-state checkpoint at or
 //! before `d` (any `d` for attention-only models, whose KV caches trim
-//! anywhere), re-feeds the rest, and continues exactly as a cold prefill.
+//! anywhere), re-feeds the rest, and continues exactly as a cold prefill:
+//! logits at the last prompt token within 1e-5 (f32) and the same greedy
+//! tokens, on every architecture.
 
 use mlex_generate::{Flow, GenerateOptions, Generator, SamplerConfig};
 use mlex_models::load::load;
@@ -47,10 +49,15 @@ fn a_prompt_diverging_anywhere_continues_as_a_cold_prefill() {
     let all = fixtures();
     let names = [
         "qwen3_5-f32",
+        "qwen3_5_moe-f32",
         "qwen3_next-f32",
+        "qwen3_next-moe-f32",
         "nemotron_h-f32",
         "dhara-f32",
         "llama-f32",
+        "qwen2-f32",
+        "qwen3-f32",
+        "qwen3_moe-f32",
     ];
     let c = 64;
     for name in names {
@@ -75,8 +82,20 @@ fn a_prompt_diverging_anywhere_continues_as_a_cold_prefill() {
             warm.prompt_cache = mlex_cache::PromptCache::new(8, 1 << 30);
             run(&mut warm, &base, 2, true);
             let q = diverging(&base, d, 300, vocab);
-            let got = run(&mut warm, &q, 8, true);
             let mut cold = generator(f, c);
+            // Logits at the last prompt token, restored against cold.
+            let (restored, reused) = warm.prompt_logits(&q, true).unwrap();
+            let (fresh, _) = cold.prompt_logits(&q, false).unwrap();
+            let (diff, scale) = max_diff(&to_f32(&restored), &to_f32(&fresh));
+            assert!(
+                diff / scale.max(1.0) <= 1e-5,
+                "{name}, divergence at {d}: logits differ by {diff} (largest {scale}), {reused} reused"
+            );
+            eprintln!(
+                "{name}, divergence at {d}: {reused} reused, logits within {:.1e}",
+                diff / scale.max(1.0)
+            );
+            let got = run(&mut warm, &q, 8, true);
             let want = run(&mut cold, &q, 8, false);
             assert_eq!(got.tokens, want.tokens, "{name}, divergence at {d}");
             let deepest = if recurrent { d / c * c } else { d };

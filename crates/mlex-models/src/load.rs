@@ -169,6 +169,15 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// Every tensor of a checkpoint directory's safetensors files, each file
+/// validated first and a sharded checkpoint's index checked against its
+/// shards.
+pub fn load_weights(dir: &Path) -> Result<WeightMap> {
+    let weights = WeightMap::load_safetensors(&weight_files(dir)?)?;
+    check_index(dir, &weights)?;
+    Ok(weights)
+}
+
 /// The `model*.safetensors` files of a directory (mlx-lm's rule), sorted.
 fn model_safetensors(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -292,8 +301,7 @@ pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
             registry
                 .architecture(&model_type)
                 .map_err(|e| with_file(e, &cfg_path))?;
-            let weights = WeightMap::load_safetensors(&weight_files(dir)?)?;
-            check_index(dir, &weights)?;
+            let weights = load_weights(dir)?;
             (config, weights, None)
         }
         ModelSource::Gguf(path) => {

@@ -50,6 +50,9 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     if let Some(n) = a.batch {
         return run_batch(&a, &mut g, &arch, n as usize, vocab, &opts);
     }
+    if let Some(n) = a.shared_prefix {
+        return run_shared_prefix(&a, &mut g, &arch, n as usize, vocab);
+    }
     // Warm-up: compiles the decode segments and warms the allocator.
     g.generate(&prompt, &opts(a.gen.min(8)), &mut |_| Ok(Flow::Continue))?;
     let mut best: Option<mlex_generate::Generation> = None;
@@ -107,6 +110,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         "generated_tokens": r.tokens.len(),
         "prefill_tok_s": r.prefill_tok_s(),
         "decode_tok_s": r.decode_tok_s(),
+        "ttft_s": r.prefill_s,
         "peak_memory_bytes": peak,
     });
     if a.format == Format::Json {
@@ -120,6 +124,8 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
 struct BatchRun {
     wall_s: f64,
     prefill_s: f64,
+    steps: usize,
+    wait_s: f64,
     prompt_tokens: usize,
     generated: usize,
     peak: usize,
@@ -153,6 +159,8 @@ fn batch_once(
     Ok(BatchRun {
         wall_s,
         prefill_s: st.prefill_time.as_secs_f64(),
+        steps: st.steps,
+        wait_s: st.wait_time.as_secs_f64(),
         prompt_tokens: st.prefill_tokens,
         generated: st.generated_tokens,
         peak: mlex_core::device::peak_memory()?,
@@ -196,6 +204,10 @@ fn run_batch(
         "agg_tok_s": r.generated as f64 / r.wall_s.max(1e-9),
         "prefill_tok_s": r.prompt_tokens as f64 / r.prefill_s.max(1e-9),
         "decode_tok_s": decoded as f64 / decode_s,
+        // Where a decode step's time goes: the rest of it is the host's
+        // (graph building, bookkeeping) while the device runs ahead.
+        "decode_steps": r.steps,
+        "device_wait_s": r.wait_s,
         "peak_memory_bytes": r.peak,
     });
     if a.format == Format::Json {
@@ -222,6 +234,136 @@ fn run_batch(
             r.generated as f64 / r.wall_s.max(1e-9)
         );
         println!("peak memory    {:.3} GB", r.peak as f64 / 1e9);
+    }
+    Ok(())
+}
+
+/// One cold/warm pair of `mlex bench --shared-prefix`.
+struct PrefixPair {
+    cold_s: f64,
+    warm_s: f64,
+    reused: usize,
+    cache_bytes: usize,
+    snapshot_bytes: usize,
+    snapshots: usize,
+}
+
+/// Prompt `b` cold; then `a` into an empty prompt cache and `b` from it.
+fn prefix_pair(g: &mut Generator, a: &[u32], b: &[u32]) -> Result<PrefixPair> {
+    let once = |use_prompt_cache| GenerateOptions {
+        max_tokens: 1,
+        sampler: SamplerConfig::default(),
+        stop_ids: Default::default(),
+        use_prompt_cache,
+    };
+    let cold = g.generate(b, &once(false), &mut |_| Ok(Flow::Continue))?;
+    g.prompt_cache = mlex_cache::PromptCache::new(8, usize::MAX);
+    g.generate(a, &once(true), &mut |_| Ok(Flow::Continue))?;
+    let (cache_bytes, snapshot_bytes) = (g.prompt_cache.nbytes(), g.prompt_cache.snapshot_nbytes());
+    let snapshots = g
+        .prompt_cache
+        .snapshot_boundaries()
+        .iter()
+        .map(Vec::len)
+        .sum();
+    let warm = g.generate(b, &once(true), &mut |_| Ok(Flow::Continue))?;
+    g.prompt_cache = mlex_cache::PromptCache::new(8, usize::MAX);
+    Ok(PrefixPair {
+        cold_s: cold.prefill_s,
+        warm_s: warm.prefill_s,
+        reused: warm.reused_tokens,
+        cache_bytes,
+        snapshot_bytes,
+        snapshots,
+    })
+}
+
+fn median_range(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+/// `mlex bench --shared-prefix N`: time to first token of a prompt sharing
+/// `N` tokens with the one before it, restored from the prompt cache, and
+/// cold. Every pair uses new random prompts, so nothing is reused across
+/// pairs; a first pair (not reported) compiles what both paths run.
+fn run_shared_prefix(
+    a: &BenchArgs,
+    g: &mut Generator,
+    arch: &str,
+    shared: usize,
+    vocab: usize,
+) -> Result<()> {
+    if shared >= a.prompt_len {
+        return Err(Error::invalid(
+            "--shared-prefix",
+            format!(
+                "{shared} must be shorter than --prompt-len {}",
+                a.prompt_len
+            ),
+        ));
+    }
+    let prompts = |seed: u64| {
+        let first = prompt_ids_seeded(a.prompt_len, vocab, 2 * seed + 100);
+        let mut second = first[..shared].to_vec();
+        second.extend(prompt_ids_seeded(
+            a.prompt_len - shared,
+            vocab,
+            2 * seed + 101,
+        ));
+        (first, second)
+    };
+    let (a0, b0) = prompts(0);
+    prefix_pair(g, &a0, &b0)?;
+    let mut pairs = Vec::new();
+    for r in 0..a.repeats.max(1) {
+        let (x, y) = prompts(r as u64 + 1);
+        pairs.push(prefix_pair(g, &x, &y)?);
+    }
+    let cold = median_range(pairs.iter().map(|p| p.cold_s).collect());
+    let warm = median_range(pairs.iter().map(|p| p.warm_s).collect());
+    let p = &pairs[0];
+    let info = mlex_core::device::runtime_info()?;
+    if a.format == Format::Text {
+        println!("model          {} ({arch})", a.model.model);
+        println!(
+            "prompt         {} tokens, {shared} shared with the one before",
+            a.prompt_len
+        );
+        println!(
+            "cold           first token after {:.3} s ({:.3}-{:.3})",
+            cold.0, cold.1, cold.2
+        );
+        println!(
+            "warm           first token after {:.3} s ({:.3}-{:.3}), {} tokens reused",
+            warm.0, warm.1, warm.2, p.reused
+        );
+        println!(
+            "prompt cache   {:.1} MB for the first prompt, {:.1} MB of it in {} checkpoints",
+            p.cache_bytes as f64 / 1e6,
+            p.snapshot_bytes as f64 / 1e6,
+            p.snapshots
+        );
+    }
+    let out = json!({
+        "model": a.model.model,
+        "arch": arch,
+        "device": info.default_device,
+        "backend": info.backend.to_string(),
+        "prompt_tokens": a.prompt_len,
+        "shared_tokens": shared,
+        "reused_tokens": p.reused,
+        "pairs": pairs.len(),
+        "ttft_cold_s": cold.0,
+        "ttft_cold_range_s": [cold.1, cold.2],
+        "ttft_warm_s": warm.0,
+        "ttft_warm_range_s": [warm.1, warm.2],
+        "prompt_cache_bytes": p.cache_bytes,
+        "checkpoint_bytes": p.snapshot_bytes,
+        "checkpoints": p.snapshots,
+    });
+    if a.format == Format::Json {
+        println!("{out}");
     }
     Ok(())
 }

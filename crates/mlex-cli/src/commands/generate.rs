@@ -130,6 +130,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
             "generated_tokens": g.tokens.len(),
             "prefill_tok_s": g.prefill_tok_s(),
             "decode_tok_s": g.decode_tok_s(),
+            "ttft_s": g.prefill_s,
             "peak_memory_bytes": g.peak_memory_bytes,
             "finish_reason": finish,
             "compiled": generator.is_compiled(),

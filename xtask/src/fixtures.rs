@@ -34,7 +34,8 @@ pub fn fixtures() -> Result<PathBuf> {
     // Made beside, then swapped in: a run killed midway leaves the old set
     // (or none, which the stamp check redoes), never a half-written one
     // that tests would read.
-    let partial = out.with_extension("partial");
+    // Per process: a second run must not wipe this one's folder midway.
+    let partial = out.with_extension(format!("partial.{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&partial);
     std::fs::create_dir_all(&partial)?;
     eprintln!(
@@ -60,12 +61,15 @@ pub fn fixtures() -> Result<PathBuf> {
         bail!("xtask/py/dhara_ref.py failed");
     }
     std::fs::write(partial.join(".stamp"), key)?;
-    let old = out.with_extension("old");
-    let _ = std::fs::remove_dir_all(&old);
+    let old = out.with_extension(format!("old.{}", std::process::id()));
     if out.exists() {
         std::fs::rename(&out, &old)?;
     }
-    std::fs::rename(&partial, &out)?;
+    if let Err(e) = std::fs::rename(&partial, &out) {
+        // Put the old set back rather than leave none.
+        let _ = std::fs::rename(&old, &out);
+        return Err(e.into());
+    }
     let _ = std::fs::remove_dir_all(&old);
     Ok(out)
 }

@@ -920,8 +920,9 @@ fn bench_shared_prefix_reports_cold_and_warm_time_to_first_token() {
     assert_eq!(v["shared_tokens"], 200);
     assert_eq!(v["reused_tokens"], 192, "{v}");
     assert_eq!(v["pairs"], 2);
-    // Checkpoints at 64, 128, 192 and 256; the prompt's end is the entry.
-    assert_eq!(v["checkpoints"], 4, "{v}");
+    // Checkpoints at 64, 128, 192, 256 and 299 (one before the end, which
+    // is the entry itself).
+    assert_eq!(v["checkpoints"], 5, "{v}");
     let (cache, snaps) = (
         v["prompt_cache_bytes"].as_u64().unwrap(),
         v["checkpoint_bytes"].as_u64().unwrap(),

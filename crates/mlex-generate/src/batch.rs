@@ -61,14 +61,16 @@ pub struct BatchOutput {
 /// Totals over a generator's life (for benchmarks and logs).
 #[derive(Clone, Debug, Default)]
 pub struct BatchStats {
-    /// Prompt tokens prefilled.
+    /// Prompt tokens computed: prefilled, or fed as tails through decode
+    /// steps (`tail_tokens`).
     pub prefill_tokens: usize,
     /// Prompt tokens restored from the prompt cache instead.
     pub reused_tokens: usize,
     /// Of `prefill_tokens`, those fed through decode steps (prompt tails
     /// of at most [`FEED_MAX`] tokens after a prompt-cache hit).
     pub tail_tokens: usize,
-    /// Wall time of admissions (prefill, until the first tokens exist).
+    /// Wall time of admissions (prefill, until the first tokens exist; a
+    /// prompt tail fed through decode steps is in `decode_time`).
     pub prefill_time: Duration,
     /// Wall time of decode steps (graph building, waiting for the device,
     /// handing out tokens, compaction), admissions excluded.
@@ -108,8 +110,10 @@ struct Active {
 /// step, instead of a prefill of its own. A one-token prefill costs the
 /// host about what a whole decode step does (an uncompiled forward and an
 /// evaluation per admission), and repeated prompts (a chat's regenerate,
-/// clients sending the same request) leave one token to feed. Longer tails
-/// are prefilled, and recorded in the prompt cache.
+/// clients sending the same request) leave one token to feed: attention
+/// caches trim anywhere, and recurrent state is checkpointed one token
+/// before each prompt's end. Longer tails are prefilled, and recorded in
+/// the prompt cache.
 pub const FEED_MAX: usize = 4;
 
 impl Active {
@@ -239,6 +243,24 @@ impl<'g> BatchGenerator<'g> {
         let cache = self.cache.as_mut().expect("a used batch has caches");
         let inp = ops::reshape(&feed, &[rows, 1])?;
         let logits = self.gen.step(&inp, cache)?;
+        // The repetition penalty looks back over what was fed, this step's
+        // token included: appended on the device, before sampling (the host
+        // learns the token's value only in `emit`). A prompt token fed as a
+        // tail is already there, with the rest of the prompt.
+        for (r, slot) in self.slots.iter_mut().enumerate() {
+            let Some(a) = slot else { continue };
+            if a.next_is_prompt {
+                continue;
+            }
+            if let Some(h) = &a.history {
+                let ctx = a.sampler.config().repetition_context.max(1) as i32;
+                let r = r as i32;
+                let t = ops::reshape(&feed.try_index(r..r + 1)?, &[1, 1])?.as_dtype(h.dtype())?;
+                let joined = ops::concatenate(&[h, &t], 1)?;
+                let n = joined.shape()[1];
+                a.history = Some(joined.try_index((.., (n - ctx).max(0)..))?);
+            }
+        }
         let mut sampled = self.sample(&logits)?;
         // Rows still in their prompt feed its next token instead.
         let fed_prompt: Vec<bool> = self
@@ -352,7 +374,9 @@ impl<'g> BatchGenerator<'g> {
             let prompt = &group[i].1;
             let hit = self.gen.prompt_cache.lookup(prompt);
             prefilled[i] = Some(match hit {
-                Some(h) if prompt.len() - h.reused <= FEED_MAX => (h.cache, None, h.reused),
+                Some(h) if (1..=FEED_MAX).contains(&(prompt.len() - h.reused)) => {
+                    (h.cache, None, h.reused)
+                }
                 hit => {
                     let (c, l, r) = self.prefill_cached(prompt, hit)?;
                     (c, Some(l), r)
@@ -594,13 +618,6 @@ impl<'g> BatchGenerator<'g> {
                 let tok = ids[r];
                 a.out.push(tok);
                 self.stats.generated_tokens += 1;
-                if let Some(h) = &a.history {
-                    let ctx = a.sampler.config().repetition_context.max(1) as i32;
-                    let t = Array::from_slice(&[tok as i32], &[1, 1]);
-                    let joined = ops::concatenate(&[h, &t], 1)?;
-                    let n = joined.shape()[1];
-                    a.history = Some(joined.try_index((.., (n - ctx).max(0)..))?);
-                }
                 let called = Instant::now();
                 let flow = on_token(a.id, tok)?;
                 self.stats.callback_time += called.elapsed();

@@ -187,9 +187,13 @@ impl Generator {
     /// Computes `tokens` (the prompt from position `start` on) into `cache`
     /// in steps of `prefill_chunk`, evaluating between steps; returns the
     /// last logits. With `snapshots`, the fixed-size state is also recorded
-    /// at every absolute multiple of `checkpoint_every` before the end (the
-    /// step is cut there; the snapshot holds arrays the next evaluation
-    /// computes anyway, so it costs their memory, not compute).
+    /// at every absolute multiple of `checkpoint_every` before the end and
+    /// one token before the end (the step is cut there; the snapshot holds
+    /// arrays the next evaluation computes anyway, so it costs their memory,
+    /// not compute). The last one serves the same prompt again: a lookup
+    /// needs the last token's logits, so it restores at most `len - 1`
+    /// tokens, and without it a repeated hybrid prompt would recompute up to
+    /// `checkpoint_every` of them.
     pub(crate) fn prefill(
         &mut self,
         tokens: &[u32],
@@ -205,10 +209,14 @@ impl Generator {
         let every = self.checkpoint_every;
         let end = start + ids.len();
         let (mut pos, mut since_eval) = (start, 0);
+        let before_last = (snapshots.is_some() && end - start > 1).then_some(end - 1);
         loop {
             let mut next = (pos + step - since_eval).min(end);
             if snapshots.is_some() && every > 0 {
                 next = next.min((pos / every + 1) * every);
+            }
+            if let Some(b) = before_last.filter(|&b| pos < b) {
+                next = next.min(b);
             }
             let piece = &ids[pos - start..next - start];
             let x = Array::from_slice(piece, &[1, piece.len() as i32]);
@@ -217,7 +225,7 @@ impl Generator {
             }
             self.model.forward_hidden(&x, cache)?;
             if let Some(snaps) = snapshots.as_deref_mut() {
-                if every > 0 && next.is_multiple_of(every) {
+                if (every > 0 && next.is_multiple_of(every)) || before_last == Some(next) {
                     snaps.push((next, StateSnapshot::of(cache)));
                 }
             }
@@ -274,31 +282,9 @@ impl Generator {
         Ok((cache, logits, reused, checkpoints))
     }
 
-    /// The last-position logits `[1, V]` of `prompt`, prefilled as
-    /// [`Generator::generate`] prefills it (from the deepest cached prefix
-    /// when `use_prompt_cache`), and the count of tokens restored. Nothing
-    /// is recorded or generated: this is for comparing a restored prefix
-    /// with a cold prefill.
-    pub fn prompt_logits(
-        &mut self,
-        prompt: &[u32],
-        use_prompt_cache: bool,
-    ) -> Result<(Array, usize)> {
-        if prompt.is_empty() {
-            return Err(Error::invalid("prompt", "is empty"));
-        }
-        let (_, logits, reused, _) = self.restore_and_prefill(prompt, use_prompt_cache)?;
-        logits.eval()?;
-        Ok((logits, reused))
-    }
-
-    /// Generates from `prompt`, calling `on_token` with every new id.
-    pub fn generate(
-        &mut self,
-        prompt: &[u32],
-        opts: &GenerateOptions,
-        on_token: &mut dyn FnMut(u32) -> Result<Flow>,
-    ) -> Result<Generation> {
+    /// A prompt this model can take: not empty, every id in the vocabulary,
+    /// shorter than the context.
+    fn check_prompt(&self, prompt: &[u32]) -> Result<()> {
         if prompt.is_empty() {
             return Err(Error::invalid("prompt", "is empty"));
         }
@@ -317,6 +303,35 @@ impl Generator {
                 hint: Some(CONTEXT_HINT.into()),
             });
         }
+        Ok(())
+    }
+
+    /// The last-position logits `[1, V]` of `prompt`, prefilled as
+    /// [`Generator::generate`] prefills it (from the deepest cached prefix
+    /// when `use_prompt_cache`), and the count of tokens restored. Nothing
+    /// is recorded or generated: this is for comparing a restored prefix
+    /// with a cold prefill.
+    pub fn prompt_logits(
+        &mut self,
+        prompt: &[u32],
+        use_prompt_cache: bool,
+    ) -> Result<(Array, usize)> {
+        self.check_prompt(prompt)?;
+        let (_, logits, reused, _) = self.restore_and_prefill(prompt, use_prompt_cache)?;
+        logits.eval()?;
+        Ok((logits, reused))
+    }
+
+    /// Generates from `prompt`, calling `on_token` with every new id.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32) -> Result<Flow>,
+    ) -> Result<Generation> {
+        self.check_prompt(prompt)?;
+        let vocab = self.model.vocab_size() as usize;
+        let limit = self.model.max_context.unwrap_or(usize::MAX);
         let mut sampler = Sampler::new(opts.sampler.clone(), vocab)?;
         mlex_core::device::reset_peak_memory()?;
         let start = Instant::now();

@@ -300,9 +300,11 @@ fn batched_requests_reuse_a_shared_prefix_through_the_prompt_cache() {
 
 /// Requests the prompt cache covers to within a few tokens feed the rest
 /// through the batched decode steps (no prefill of their own): a repeated
-/// prompt (one token left) and a prompt extending a cached one by two
-/// tokens, joining while a fresh prompt decodes, equal cold one-at-a-time
-/// runs, on a hybrid (restored from a checkpoint) and an attention model.
+/// prompt (one token left: hybrids restore the checkpoint one token before
+/// the earlier prompt's end) sampled with a seed, and a prompt extending a
+/// cached one by two tokens with a repetition penalty, joining while a
+/// fresh greedy prompt decodes, equal cold one-at-a-time runs with the same
+/// options, on a hybrid and an attention model.
 #[test]
 fn prompt_tails_fed_through_the_batch_equal_cold_runs() {
     for name in ["qwen3_5-f32", "llama-f32"] {
@@ -310,25 +312,45 @@ fn prompt_tails_fed_through_the_batch_equal_cold_runs() {
         let mut g = generator(&f, true);
         g.checkpoint_every = 16;
         let vocab = g.model.vocab_size() as u32;
-        let a = random_ids(81, 49, vocab);
+        // 50 tokens: 49, where the repeat restores, is no multiple of 16.
+        let a = random_ids(81, 50, vocab);
         let mut longer = a.clone();
         longer.extend(random_ids(82, 2, vocab));
         let fresh = random_ids(83, 21, vocab);
-        let prompts = [a.clone(), longer.clone(), fresh.clone()];
-        let want: Vec<Vec<u32>> = prompts
+        let sampled = GenerateOptions {
+            sampler: SamplerConfig {
+                temp: 0.8,
+                seed: Some(5),
+                ..SamplerConfig::default()
+            },
+            ..opts(12)
+        };
+        let penalised = GenerateOptions {
+            sampler: SamplerConfig {
+                repetition_penalty: 1.3,
+                ..SamplerConfig::default()
+            },
+            ..opts(12)
+        };
+        let cases = [
+            (a.clone(), sampled.clone()),
+            (longer.clone(), penalised.clone()),
+            (fresh.clone(), opts(12)),
+        ];
+        let want: Vec<Vec<u32>> = cases
             .iter()
-            .map(|p| {
-                g.generate(p, &opts(12), &mut |_| Ok(Flow::Continue))
+            .map(|(p, o)| {
+                g.generate(p, o, &mut |_| Ok(Flow::Continue))
                     .unwrap()
                     .tokens
             })
             .collect();
-        let cached = |n| GenerateOptions {
+        let cached = |o: &GenerateOptions| GenerateOptions {
             use_prompt_cache: true,
-            ..opts(n)
+            ..o.clone()
         };
         let mut e = BatchGenerator::new(&mut g, 4).unwrap();
-        e.submit(a.clone(), cached(1));
+        e.submit(a.clone(), cached(&opts(1)));
         e.run(&mut |_, _| Ok(Flow::Continue)).unwrap();
         let computed_before = e.stats().prefill_tokens;
         let f_id = e.submit(fresh.clone(), opts(12));
@@ -337,8 +359,8 @@ fn prompt_tails_fed_through_the_batch_equal_cold_runs() {
         for _ in 0..2 {
             got.extend(e.step(&mut |_, _| Ok(Flow::Continue)).unwrap());
         }
-        let a_id = e.submit(a.clone(), cached(12));
-        let l_id = e.submit(longer.clone(), cached(12));
+        let a_id = e.submit(a.clone(), cached(&sampled));
+        let l_id = e.submit(longer.clone(), cached(&penalised));
         got.extend(e.run(&mut |_, _| Ok(Flow::Continue)).unwrap());
         let out = |id: SeqId| {
             got.iter()
@@ -348,11 +370,17 @@ fn prompt_tails_fed_through_the_batch_equal_cold_runs() {
         };
         let (ra, rl, rf) = (out(a_id), out(l_id), out(f_id));
         assert_eq!(rf.tokens, want[2], "{name}: fresh");
-        assert_eq!(ra.tokens, want[0], "{name}: repeated prompt");
-        assert_eq!(rl.tokens, want[1], "{name}: extended prompt");
-        // The repeat restores 48 (a checkpoint, or a trim); the extension
-        // the whole cached prompt. Each computes only its tail.
-        assert_eq!((ra.reused_tokens, rl.reused_tokens), (48, 49), "{name}");
+        assert_eq!(
+            ra.tokens, want[0],
+            "{name}: repeated prompt, seeded sampling"
+        );
+        assert_eq!(
+            rl.tokens, want[1],
+            "{name}: extended prompt, repetition penalty"
+        );
+        // The repeat restores 49 tokens, the extension the whole cached
+        // prompt; each computes only its tail.
+        assert_eq!((ra.reused_tokens, rl.reused_tokens), (49, 50), "{name}");
         assert_eq!(
             e.stats().prefill_tokens - computed_before,
             fresh.len() + 1 + 2,

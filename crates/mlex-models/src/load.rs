@@ -133,6 +133,18 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .collect();
         files.sort();
         files.dedup();
+        // Shards lie beside the index: a name that leaves the directory is
+        // a broken or hostile index, not a file to open.
+        if let Some(f) = files
+            .iter()
+            .find(|f| f.contains('/') || f.contains('\\') || f.contains("..") || f.is_empty())
+        {
+            return Err(Error::Config {
+                file: index.clone(),
+                key: "weight_map".into(),
+                message: format!("names `{f}`, which is not a file name in this directory"),
+            });
+        }
         let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
         for (f, p) in files.iter().zip(&paths) {
             if !p.is_file() {
@@ -145,9 +157,16 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         }
         // A shard beside the others that the index leaves out would be
         // skipped, and its tensors reported missing with no word of why.
+        // Only shards of the same series count (`model-00002-of-00003` next
+        // to an index of `-of-00003` shards); variants such as
+        // `model.fp16-00001-of-00002.safetensors` have their own index.
+        let totals: Vec<&str> = files.iter().filter_map(|f| shard_total(f)).collect();
         for p in model_safetensors(dir)? {
             let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
-            if let Some(name) = name.filter(|n| n.contains("-of-") && !files.contains(n)) {
+            let stray = |n: &String| {
+                shard_total(n).is_some_and(|t| totals.contains(&t)) && !files.contains(n)
+            };
+            if let Some(name) = name.filter(stray) {
                 return Err(Error::Config {
                     file: index.clone(),
                     key: "weight_map".into(),
@@ -176,6 +195,17 @@ pub fn load_weights(dir: &Path) -> Result<WeightMap> {
     let weights = WeightMap::load_safetensors(&weight_files(dir)?)?;
     check_index(dir, &weights)?;
     Ok(weights)
+}
+
+/// `NNNNN` of a shard named `model-MMMMM-of-NNNNN.safetensors` (five
+/// digits each, as `transformers` writes them).
+fn shard_total(name: &str) -> Option<&str> {
+    let (part, total) = name
+        .strip_prefix("model-")?
+        .strip_suffix(".safetensors")?
+        .split_once("-of-")?;
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    (digits(part) && digits(total)).then_some(total)
 }
 
 /// The `model*.safetensors` files of a directory (mlx-lm's rule), sorted.
@@ -215,10 +245,10 @@ fn check_index(dir: &Path, weights: &WeightMap) -> Result<()> {
         let shard = dir.join(file);
         match weights.file_of(name) {
             None => {
-                return Err(Error::MissingTensor {
-                    name: name.clone(),
-                    files: vec![shard, index],
-                })
+                return Err(cfg.error(
+                    "weight_map",
+                    format!("maps `{name}` to `{file}`, which does not hold it"),
+                ))
             }
             Some(found) if found != shard => {
                 return Err(cfg.error(

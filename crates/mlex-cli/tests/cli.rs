@@ -152,6 +152,19 @@ fn inspect_shows_plan_schedule_and_weights() {
         .unwrap()
         .starts_with("4-bit affine, group 64"));
     assert!(v["parameters"].as_u64().unwrap() > 0);
+    assert_eq!(v["origin"], "local");
+    let groups = v["tensor_groups"].as_array().unwrap();
+    let stored = |g: &str| {
+        groups
+            .iter()
+            .find(|x| x["group"] == g)
+            .unwrap_or_else(|| panic!("no group {g} in {groups:?}"))["stored"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert!(stored("model.layers.*.mlp.gate_proj").starts_with("4-bit affine, group 64"));
+    assert_eq!(stored("model.norm"), "bfloat16");
     let out = mlex()
         .args(["inspect", "--model"])
         .arg(&p)
@@ -363,6 +376,7 @@ fn a_repo_id_resolves_from_the_local_hugging_face_cache() {
     assert_eq!(last_json(&out)["architecture"], "llama");
     let out = mlex()
         .env("HF_HOME", home.path())
+        .env("HF_HUB_OFFLINE", "1")
         .args(["inspect", "--model", "acme/absent"])
         .assert()
         .failure()
@@ -370,6 +384,141 @@ fn a_repo_id_resolves_from_the_local_hugging_face_cache() {
         .stderr
         .clone();
     assert!(String::from_utf8_lossy(&out).contains("Hugging Face cache"));
+}
+
+#[test]
+fn inspect_gives_each_gguf_tensor_group_its_file_type_and_what_it_became() {
+    for (fixture, ggml, stored) in [
+        ("gguf-q8_0", "Q8_0", "8-bit affine, group 32"),
+        ("gguf-q4_1", "Q4_1", "4-bit affine, group 32"),
+        ("gguf-f16", "F16", "float16"),
+    ] {
+        let p = fixture_path(fixture);
+        let out = mlex()
+            .args(["inspect", "--format", "json", "--model"])
+            .arg(&p)
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        let v = last_json(&out);
+        assert_eq!(v["format"], "gguf");
+        let groups = v["tensor_groups"].as_array().unwrap();
+        let q = groups
+            .iter()
+            .find(|g| g["group"] == "model.layers.*.self_attn.q_proj")
+            .unwrap_or_else(|| panic!("{fixture}: no q_proj group in {groups:?}"));
+        assert_eq!(q["file_types"], serde_json::json!([ggml]), "{fixture}");
+        assert!(
+            q["stored"].as_str().unwrap().starts_with(stored),
+            "{fixture}: {q}"
+        );
+        let norm = groups
+            .iter()
+            .find(|g| g["group"] == "model.layers.*.input_layernorm")
+            .unwrap();
+        assert_eq!(norm["file_types"], serde_json::json!(["F32"]), "{fixture}");
+    }
+}
+
+fn greedy_ids(model: &std::ffi::OsStr, envs: &[(&str, &std::ffi::OsStr)]) -> Vec<u64> {
+    let mut c = mlex();
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    let out = c
+        .args([
+            "generate",
+            "--prompt-ids",
+            "1,2,3,4",
+            "--max-tokens",
+            "8",
+            "--temp",
+            "0",
+            "--format",
+            "json",
+            "--model",
+        ])
+        .arg(model)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    last_json(&out)["token_ids"]
+        .as_array()
+        .expect("token_ids")
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_repo_id_downloads_from_hf_endpoint_and_answers_as_the_local_copy() {
+    let p = fixture_path("llama-q4");
+    let hub = mlex_testkit::hub::FakeHub::start();
+    let files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&p)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.path().is_file())
+        .map(|e| {
+            (
+                e.file_name().into_string().unwrap(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    hub.add_repo("acme/tiny", files.clone(), None);
+    hub.add_repo("acme/gated", files, Some("hf_secret"));
+    let home = tempfile::tempdir().unwrap();
+    let endpoint = std::ffi::OsString::from(&hub.url);
+    let envs = [
+        ("HF_HOME", home.path().as_os_str()),
+        ("HF_ENDPOINT", endpoint.as_os_str()),
+    ];
+    let inspect = |model: &str, envs: &[(&str, &std::ffi::OsStr)]| {
+        let mut c = mlex();
+        c.env_remove("HF_HUB_CACHE")
+            .env_remove("HF_TOKEN")
+            .env_remove("HF_HUB_OFFLINE");
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        c.args(["inspect", "--format", "json", "--model", model])
+            .assert()
+    };
+    let first = last_json(&inspect("acme/tiny", &envs).success().get_output().stdout);
+    assert_eq!(
+        first["origin"],
+        "downloaded from the Hugging Face Hub: acme/tiny@main"
+    );
+    let second = last_json(&inspect("acme/tiny", &envs).success().get_output().stdout);
+    assert_eq!(second["origin"], "Hugging Face cache: acme/tiny@main");
+    assert_eq!(
+        greedy_ids(std::ffi::OsStr::new("acme/tiny"), &envs),
+        greedy_ids(p.as_os_str(), &[])
+    );
+    let out = inspect("acme/gated", &envs)
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(
+        e.contains("acme/gated") && e.contains("401") && e.contains("HF_TOKEN"),
+        "{e}"
+    );
+    assert!(!e.contains("panicked"), "{e}");
+    let token = std::ffi::OsString::from("hf_secret");
+    let with_token = [envs[0], envs[1], ("HF_TOKEN", token.as_os_str())];
+    let v = last_json(
+        &inspect("acme/gated", &with_token)
+            .success()
+            .get_output()
+            .stdout,
+    );
+    assert_eq!(v["architecture"], "llama");
 }
 
 fn smollm2() -> PathBuf {

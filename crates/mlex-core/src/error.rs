@@ -140,6 +140,17 @@ pub enum Error {
         message: String,
     },
 
+    /// A Hugging Face Hub lookup or download failed.
+    #[error("Hugging Face Hub: {repo}{}: {message}", .file.as_ref().map(|f| format!(" ({f})")).unwrap_or_default())]
+    Hub {
+        /// The repo id, e.g. `mlx-community/Qwen3-0.6B-4bit`.
+        repo: String,
+        /// The file within the repo, when one is at fault.
+        file: Option<String>,
+        /// What went wrong and what to do about it.
+        message: String,
+    },
+
     /// A cache cannot do what was asked (e.g. trim recurrent state).
     #[error("cache: {0}")]
     Cache(String),

@@ -49,6 +49,9 @@ pub struct GgufCheckpoint {
     pub weights: WeightMap,
     /// Tokenizer metadata.
     pub tokenizer: GgufTokenizer,
+    /// The GGML type (`Q4_1`, `F32`, ...) each weight had in the file, under
+    /// its mlx-lm name.
+    pub tensor_types: Vec<(String, String)>,
 }
 
 fn bad(path: &Path, message: impl Into<String>) -> Error {
@@ -60,8 +63,9 @@ fn bad(path: &Path, message: impl Into<String>) -> Error {
 }
 
 /// Walks the GGUF header (metadata and tensor descriptors) and checks that
-/// every tensor's data lies inside the file.
-pub fn validate_gguf(path: &Path) -> Result<()> {
+/// every tensor's data lies inside the file; returns each tensor's name and
+/// GGML type.
+pub fn validate_gguf(path: &Path) -> Result<Vec<(String, String)>> {
     let len = std::fs::metadata(path)
         .map_err(|e| Error::io(path, e))?
         .len();
@@ -179,7 +183,15 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
         };
         let bytes = bytes
             .ok_or_else(|| bad(path, format!("tensor `{name}`: its size overflows 64 bits")))?;
-        infos.push((name, offset, bytes));
+        let type_name = match ty {
+            0 => "F32",
+            1 => "F16",
+            2 => "Q4_0",
+            3 => "Q4_1",
+            8 => "Q8_0",
+            _ => "BF16",
+        };
+        infos.push((name, offset, bytes, type_name));
     }
     let data_start = pos
         .div_ceil(alignment)
@@ -190,7 +202,8 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
                 format!("alignment {alignment} overflows the file offsets"),
             )
         })?;
-    for (name, offset, bytes) in infos {
+    let mut types = Vec::with_capacity(infos.len());
+    for (name, offset, bytes, type_name) in infos {
         let Some(end) = data_start
             .checked_add(offset)
             .and_then(|e| e.checked_add(bytes))
@@ -206,8 +219,9 @@ pub fn validate_gguf(path: &Path) -> Result<()> {
                 format!("tensor `{name}` ends at byte {end}, past the end of the file ({len} bytes): truncated?"),
             ));
         }
+        types.push((name, type_name.to_owned()));
     }
-    Ok(())
+    Ok(types)
 }
 
 /// Typed metadata reads; every error names the file and the key.
@@ -315,7 +329,8 @@ fn unpermute(a: &Array, heads: i32) -> Result<Array> {
 
 /// Reads a llama-family GGUF file.
 pub fn load(path: &Path) -> Result<GgufCheckpoint> {
-    validate_gguf(path)?;
+    let file_types: BTreeMap<String, String> = validate_gguf(path)?.into_iter().collect();
+    let mut tensor_types = Vec::new();
     let f = GgufFile::load(path).map_err(|e| bad(path, e.to_string()))?;
     let meta = Meta { f: &f, path };
     let arch = meta.str("general.architecture").unwrap_or_default();
@@ -379,6 +394,11 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         })?;
         if target == "lm_head" {
             tied = false;
+        }
+        if suffix == "weight" || suffix == "bias" {
+            if let Some(ty) = file_types.get(&name) {
+                tensor_types.push((format!("{target}.{suffix}"), ty.clone()));
+            }
         }
         if array.ndim() == 0 || array.shape().contains(&0) {
             return Err(bad(
@@ -460,5 +480,6 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         config: ModelConfig::new(Value::Object(config), path),
         weights,
         tokenizer,
+        tensor_types,
     })
 }

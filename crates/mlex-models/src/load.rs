@@ -1,6 +1,7 @@
 //! Finding and loading a model: a directory (`config.json` + safetensors,
 //! one file or shards with `model.safetensors.index.json`), a `.gguf`
-//! file, or a Hugging Face repo id resolved offline from the local cache.
+//! file, or a Hugging Face repo id resolved through the shared cache and
+//! downloaded into it when missing (`mlex-hub`).
 
 use crate::gguf::{self, GgufTokenizer};
 use mlex_core::config::ModelConfig;
@@ -29,44 +30,75 @@ impl ModelSource {
     }
 }
 
+/// How a model was found: the path given, or a Hugging Face repo id.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelOrigin {
+    /// A local directory or file named on the command line.
+    Local,
+    /// A repo id (`org/name[@revision]`), resolved through the Hugging Face
+    /// cache; `downloaded` when this run fetched some of it.
+    Hub {
+        /// `org/name`.
+        repo: String,
+        /// The revision asked for.
+        revision: String,
+        /// Whether files were downloaded by this run.
+        downloaded: bool,
+    },
+}
+
+impl std::fmt::Display for ModelOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModelOrigin::Local => f.write_str("local"),
+            ModelOrigin::Hub {
+                repo,
+                revision,
+                downloaded,
+            } => write!(
+                f,
+                "{} {repo}@{revision}",
+                if *downloaded {
+                    "downloaded from the Hugging Face Hub:"
+                } else {
+                    "Hugging Face cache:"
+                }
+            ),
+        }
+    }
+}
+
 /// A loaded model with what came beside it.
 pub struct LoadedModel {
     /// The model.
     pub model: Model,
     /// Where it came from.
     pub source: ModelSource,
+    /// How it was found (local path, Hugging Face cache, download).
+    pub origin: ModelOrigin,
     /// Tokenizer metadata when the model is a GGUF file.
     pub gguf_tokenizer: Option<GgufTokenizer>,
+    /// GGUF only: the GGML type each weight had in the file, under its
+    /// mlx-lm name (for `inspect`).
+    pub gguf_tensor_types: Vec<(String, String)>,
     /// Identifies this model's weights layout (for prompt-cache files).
     pub fingerprint: String,
 }
 
-/// The Hugging Face hub cache directory (`$HF_HUB_CACHE`, `$HF_HOME/hub`,
-/// or `~/.cache/huggingface/hub`).
-pub fn hf_cache_dir() -> PathBuf {
-    if let Some(p) = std::env::var_os("HF_HUB_CACHE") {
-        return PathBuf::from(p);
-    }
-    if let Some(p) = std::env::var_os("HF_HOME") {
-        return PathBuf::from(p).join("hub");
-    }
-    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
-    PathBuf::from(home).join(".cache/huggingface/hub")
-}
-
 /// Resolves `spec`: an existing directory or `.gguf` file, else a repo id
-/// (`org/name[@revision]`) in the local Hugging Face cache.
-pub fn resolve(spec: &str) -> Result<ModelSource> {
+/// (`org/name[@revision][:FILE.gguf|:QUANT]`) from the Hugging Face cache,
+/// downloaded into it when missing (unless `HF_HUB_OFFLINE=1`).
+pub fn resolve(spec: &str) -> Result<(ModelSource, ModelOrigin)> {
     let p = Path::new(spec);
     if p.is_dir() {
-        return Ok(ModelSource::Dir(p.to_owned()));
+        return Ok((ModelSource::Dir(p.to_owned()), ModelOrigin::Local));
     }
     if p.is_file() {
         return if p
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
         {
-            Ok(ModelSource::Gguf(p.to_owned()))
+            Ok((ModelSource::Gguf(p.to_owned()), ModelOrigin::Local))
         } else {
             Err(Error::invalid(
                 "--model",
@@ -76,26 +108,19 @@ pub fn resolve(spec: &str) -> Result<ModelSource> {
             ))
         };
     }
-    let (repo, rev) = spec.split_once('@').unwrap_or((spec, "main"));
-    if repo.split('/').count() == 2 && !repo.starts_with('.') && !repo.starts_with('/') {
-        let root = hf_cache_dir().join(format!("models--{}", repo.replace('/', "--")));
-        let commit = std::fs::read_to_string(root.join("refs").join(rev))
-            .map(|s| s.trim().to_owned())
-            .unwrap_or_else(|_| rev.to_owned());
-        let snap = root.join("snapshots").join(&commit);
-        if snap.join("config.json").is_file() {
-            return Ok(ModelSource::Dir(snap));
-        }
-        if let Some(g) = first_gguf(&snap) {
-            return Ok(ModelSource::Gguf(g));
-        }
-        return Err(Error::invalid(
-            "--model",
-            format!(
-                "`{spec}` is not a directory or file, and the Hugging Face cache has no snapshot of it at {} (downloading is not available offline)",
-                snap.display()
-            ),
-        ));
+    if let Some(hub) = mlex_hub::HubSpec::parse(spec) {
+        let fetched = mlex_hub::fetch(&hub, &mlex_hub::HubConfig::from_env())?;
+        let origin = ModelOrigin::Hub {
+            repo: hub.repo,
+            revision: hub.revision,
+            downloaded: fetched.origin == mlex_hub::Origin::Downloaded,
+        };
+        let source = if fetched.is_gguf {
+            ModelSource::Gguf(fetched.path)
+        } else {
+            ModelSource::Dir(fetched.path)
+        };
+        return Ok((source, origin));
     }
     Err(Error::invalid(
         "--model",
@@ -103,17 +128,6 @@ pub fn resolve(spec: &str) -> Result<ModelSource> {
             "`{spec}` does not exist (expected a directory, a .gguf file or an org/name repo id)"
         ),
     ))
-}
-
-fn first_gguf(dir: &Path) -> Option<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .ok()?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
-        .collect();
-    v.sort();
-    v.into_iter().next()
 }
 
 /// The safetensors files of a checkpoint directory.
@@ -312,8 +326,8 @@ pub fn fingerprint(model: &Model) -> Result<String> {
 
 /// Loads the model at `spec` with the architectures of `registry`.
 pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
-    let source = resolve(spec)?;
-    let (config, weights, gguf_tokenizer) = match &source {
+    let (source, origin) = resolve(spec)?;
+    let (config, weights, gguf_tokenizer, gguf_tensor_types) = match &source {
         ModelSource::Dir(dir) => {
             let cfg_path = dir.join("config.json");
             if !cfg_path.is_file() {
@@ -332,11 +346,11 @@ pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
                 .architecture(&model_type)
                 .map_err(|e| with_file(e, &cfg_path))?;
             let weights = load_weights(dir)?;
-            (config, weights, None)
+            (config, weights, None, Vec::new())
         }
         ModelSource::Gguf(path) => {
             let ck = gguf::load(path)?;
-            (ck.config, ck.weights, Some(ck.tokenizer))
+            (ck.config, ck.weights, Some(ck.tokenizer), ck.tensor_types)
         }
     };
     let arch = registry
@@ -347,7 +361,9 @@ pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
     Ok(LoadedModel {
         model,
         source,
+        origin,
         gguf_tokenizer,
+        gguf_tensor_types,
         fingerprint,
     })
 }

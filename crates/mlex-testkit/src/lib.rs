@@ -8,6 +8,8 @@
 //! skipping (`xtask/tests/repository_rules.rs` keeps it so).
 #![allow(missing_docs)]
 
+pub mod hub;
+
 use mlex_core::model::{Model, ModelCache};
 use mlx_rs::{Array, Dtype};
 use serde::Deserialize;

@@ -1,5 +1,6 @@
-//! `mlex inspect`: architecture, layer plan with kinds, the decode segment
-//! schedule, parameters, quantization and dtype.
+//! `mlex inspect`: architecture, where the checkpoint came from, layer plan
+//! with kinds, the decode segment schedule, parameters, and the dtype and
+//! quantization of every tensor group.
 
 use crate::args::{Format, InspectArgs};
 use crate::session::load_model;
@@ -53,10 +54,23 @@ pub fn run(a: InspectArgs, registry: &Registry) -> Result<()> {
         ModelSource::Dir(p) => format!("{} (directory)", p.display()),
         ModelSource::Gguf(p) => format!("{} (gguf)", p.display()),
     };
+    let origin = loaded.origin.to_string();
+    let groups = tensor_groups(&loaded);
     let info = json!({
         "architecture": m.arch,
         "summary": arch.summary(),
         "source": source,
+        "origin": origin,
+        "format": match &loaded.source {
+            ModelSource::Dir(_) => "safetensors",
+            ModelSource::Gguf(_) => "gguf",
+        },
+        "tensor_groups": groups.iter().map(|g| json!({
+            "group": g.name,
+            "tensors": g.tensors,
+            "stored": g.stored,
+            "file_types": g.file_types,
+        })).collect::<Vec<_>>(),
         "dtype": format!("{:?}", m.dtype).to_lowercase(),
         "parameters": m.num_parameters(),
         "weight_bytes": m.params.nbytes(),
@@ -76,6 +90,7 @@ pub fn run(a: InspectArgs, registry: &Registry) -> Result<()> {
     }
     println!("architecture  {} — {}", m.arch, arch.summary());
     println!("source        {source}");
+    println!("origin        {origin}");
     println!("dtype         {}", info["dtype"].as_str().unwrap_or(""));
     println!(
         "parameters    {} ({} tensors, {:.1} MB)",
@@ -87,6 +102,15 @@ pub fn run(a: InspectArgs, registry: &Registry) -> Result<()> {
     println!("vocabulary    {}", m.vocab_size());
     if let Some(c) = m.max_context {
         println!("context       {c}");
+    }
+    println!("tensor groups ({}):", groups.len());
+    for g in &groups {
+        let file = if g.file_types.is_empty() {
+            String::new()
+        } else {
+            format!("  (in the file: {})", g.file_types.join(", "))
+        };
+        println!("  {:<44} {:>4} × {}{file}", g.name, g.tensors, g.stored);
     }
     println!("layers ({}):", m.layers.len());
     for l in &layers {
@@ -113,4 +137,87 @@ pub fn run(a: InspectArgs, registry: &Registry) -> Result<()> {
     );
     println!("  {}", schedule.render());
     Ok(())
+}
+
+/// Tensors of one kind across layers (`model.layers.*.self_attn.q_proj`).
+struct TensorGroup {
+    name: String,
+    tensors: usize,
+    /// As loaded: `bf16`, or `4-bit affine, group 64 (bf16 scales)`.
+    stored: String,
+    /// GGUF only: the GGML types the file stored them in.
+    file_types: Vec<String>,
+}
+
+/// A parameter's group: the module path with layer (and expert) indices
+/// replaced by `*`, without the `.weight`/`.scales`/`.biases` suffix.
+fn group_of(name: &str) -> String {
+    let module = ["weight", "scales", "biases", "bias"]
+        .iter()
+        .find_map(|s| name.strip_suffix(&format!(".{s}")))
+        .unwrap_or(name);
+    module
+        .split('.')
+        .map(|p| {
+            if p.chars().all(|c| c.is_ascii_digit()) {
+                "*"
+            } else {
+                p
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// The dtype and quantization of every tensor group, with the GGML types
+/// the file held for GGUF checkpoints.
+fn tensor_groups(loaded: &mlex_models::load::LoadedModel) -> Vec<TensorGroup> {
+    use std::collections::BTreeMap;
+    let m = &loaded.model;
+    let mut groups: BTreeMap<String, (usize, std::collections::BTreeSet<String>)> = BTreeMap::new();
+    let names: std::collections::HashSet<&str> = m.params.iter().map(|(n, _)| n).collect();
+    for (name, a) in m.params.iter() {
+        if name.ends_with(".scales") || name.ends_with(".biases") {
+            continue;
+        }
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let dtype = format!("{:?}", a.dtype()).to_lowercase();
+        let stored = match m.quantization.for_module(module) {
+            Some(q) if names.contains(format!("{module}.scales").as_str()) => {
+                let scales = m
+                    .params
+                    .iter()
+                    .find(|(n, _)| *n == format!("{module}.scales"))
+                    .map(|(_, s)| format!("{:?}", s.dtype()).to_lowercase())
+                    .unwrap_or_default();
+                format!(
+                    "{}-bit affine, group {} ({scales} scales)",
+                    q.bits, q.group_size
+                )
+            }
+            _ => dtype,
+        };
+        let g = groups.entry(group_of(name)).or_default();
+        g.0 += 1;
+        g.1.insert(stored);
+    }
+    let mut file_types: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
+    for (name, ty) in &loaded.gguf_tensor_types {
+        file_types
+            .entry(group_of(name))
+            .or_default()
+            .insert(ty.clone());
+    }
+    groups
+        .into_iter()
+        .map(|(name, (tensors, stored))| TensorGroup {
+            file_types: file_types
+                .get(&name)
+                .map(|s| s.iter().cloned().collect())
+                .unwrap_or_default(),
+            name,
+            tensors,
+            stored: stored.into_iter().collect::<Vec<_>>().join(" / "),
+        })
+        .collect()
 }

@@ -257,12 +257,26 @@ fn stage_runtime(native: &Path, mlx_dir: &Path) {
         }
     }
     let libs = native.join("mlx_cpu.libs");
+    // `cargo xtask setup` puts OpenBLAS's libblas.so.3 and liblapack.so.3
+    // here (unless MLEX_BLAS=reference); they take the place of the wheel's
+    // reference BLAS/LAPACK under the names libmlx was linked against.
+    let blas = native.join("blas");
+    println!("cargo:rerun-if-changed={}", blas.display());
     if libs.is_dir() {
         let dest = profile_dir.join("mlx_cpu.libs");
         fs::create_dir_all(&dest).unwrap();
         for entry in fs::read_dir(&libs).unwrap() {
             let path = entry.unwrap().path();
-            sync_file(&path, &dest.join(path.file_name().unwrap()));
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let replacement = if name.starts_with("libblas-") {
+                Some(blas.join("libblas.so.3"))
+            } else if name.starts_with("liblapack-") {
+                Some(blas.join("liblapack.so.3"))
+            } else {
+                None
+            };
+            let from = replacement.filter(|p| p.is_file()).unwrap_or(path);
+            sync_file(&from, &dest.join(&name));
         }
     }
 }

@@ -933,7 +933,98 @@ GGUF_TYPES = {
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
     "q4_1": (gguf.GGMLQuantizationType.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
+    "q4_k": (gguf.GGMLQuantizationType.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
+    "q5_k": (gguf.GGMLQuantizationType.Q5_K, gguf.LlamaFileType.MOSTLY_Q5_K_M),
+    "q6_k": (gguf.GGMLQuantizationType.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),
 }
+
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+
+# K-quant rows are super-blocks of 256: every projection's input is a
+# multiple of 256 here.
+K_DIMS = dict(TINY, hidden_size=256, intermediate_size=512, num_attention_heads=16, num_key_value_heads=4)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def _pack_k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The 12 bytes of eight 6-bit scales and mins (the inverse of
+    llama.cpp's get_scale_min_k4), per super-block: sc, m are [n, 8]."""
+    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def _quantize_k_affine(x: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K (bits=4) or Q5_K (bits=5) blocks of a float32 matrix [rows, cols]:
+    per 32-element sub-block w = d*sc*q - dmin*m, with sc, m 6-bit and d, dmin
+    float16 per 256. A plain min/max fit, not llama.cpp's search: the
+    reference is whatever the gguf package dequantizes these bytes to."""
+    levels = (1 << bits) - 1
+    rows, cols = x.shape
+    sub = x.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    hi = sub.max(axis=2)
+    scale = (hi - lo) / levels
+    minv = -lo
+    d = _f16(np.maximum(scale.max(axis=1), 1e-8) / 63.0)
+    dmin = _f16(np.maximum(minv.max(axis=1), 1e-8) / 63.0)
+    sc = np.clip(np.round(scale / d.astype(np.float32)[:, None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.round(minv / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[:, None] * sc)[:, :, None]
+    off = (dmin.astype(np.float32)[:, None] * m)[:, :, None]
+    q = np.clip(np.round((sub + off) / step), 0, levels).astype(np.uint8)  # [n, 8, 32]
+    n = sub.shape[0]
+    low = q & 0xF
+    qs = (low[:, 0::2, :] | (low[:, 1::2, :] << 4)).reshape(n, 128)
+    parts = [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), _pack_k4_scales(sc, m)]
+    if bits == 5:
+        high = (q >> 4) & 1  # [n, 8, 32]
+        qh = np.zeros((n, 32), dtype=np.uint8)
+        for j in range(8):
+            qh |= (high[:, j, :] << j).astype(np.uint8)
+        parts.append(qh)
+    parts.append(qs.astype(np.uint8))
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+def _quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """Q6_K blocks: per 16-element sub-block w = d*sc*(q-32), sc int8 and d
+    float16 per 256."""
+    rows, cols = x.shape
+    sub = x.reshape(-1, 16, 16).astype(np.float32)
+    n = sub.shape[0]
+    amax = np.abs(sub).max(axis=2)
+    scale = amax / 31.0
+    d = _f16(np.maximum(scale.max(axis=1), 1e-8) / 127.0)
+    sc = np.clip(np.round(scale / d.astype(np.float32)[:, None]), 1, 127).astype(np.int8)
+    step = (d.astype(np.float32)[:, None] * sc.astype(np.float32))[:, :, None]
+    q = (np.clip(np.round(sub / step), -32, 31) + 32).astype(np.uint8).reshape(n, 256)
+    ql = np.zeros((n, 128), dtype=np.uint8)
+    qh = np.zeros((n, 64), dtype=np.uint8)
+    for h in range(2):
+        y = q[:, h * 128:(h + 1) * 128]
+        q1, q2, q3, q4 = y[:, 0:32], y[:, 32:64], y[:, 64:96], y[:, 96:128]
+        ql[:, h * 64:h * 64 + 32] = (q1 & 0xF) | ((q3 & 0xF) << 4)
+        ql[:, h * 64 + 32:h * 64 + 64] = (q2 & 0xF) | ((q4 & 0xF) << 4)
+        qh[:, h * 32:h * 32 + 32] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
+    return np.concatenate(
+        [ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1
+    ).reshape(rows, -1)
+
+
+def quantize_k(x: np.ndarray, kind: str) -> np.ndarray:
+    """K-quant bytes of ``x`` (the gguf package only dequantizes these)."""
+    raw = {"q4_k": lambda v: _quantize_k_affine(v, 4), "q5_k": lambda v: _quantize_k_affine(v, 5), "q6_k": _quantize_q6_k}[kind](x)
+    back = gguf.quants.dequantize(raw, GGUF_TYPES[kind][0])
+    err = np.abs(back - x).max() / max(np.abs(x).max(), 1e-8)
+    if err > 0.2:
+        raise RuntimeError(f"{kind}: the encoding does not round-trip through gguf's dequantize (relative error {err:.3g})")
+    return raw
 
 
 def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind: str) -> None:
@@ -972,6 +1063,8 @@ def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind
             writer.add_tensor(gname, value.astype(np.float32))
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(gname, value.astype(np.float16))
+        elif kind in K_QUANTS:
+            writer.add_tensor(gname, quantize_k(value.astype(np.float32), kind), raw_dtype=qtype)
         else:
             writer.add_tensor(gname, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -1021,7 +1114,7 @@ def make_gguf_fixture(out: Path, kind: str) -> dict:
     """A tiny llama GGUF, its dequantized float32 twin in MLX layout (the
     reference), and the logit distance of mlx-lm on mx.load's tensors."""
     name = f"gguf-{kind}"
-    cfg = llama_config(tie=False)
+    cfg = llama_config(K_DIMS if kind in K_QUANTS else TINY, tie=False)
     cfg["rms_norm_eps"] = 1e-5
     model = random_model(cfg, seed_for("gguf_llama"))
     params = get_total_parameters(model)
@@ -1031,11 +1124,14 @@ def make_gguf_fixture(out: Path, kind: str) -> dict:
     gguf_file = path / "model.gguf"
     write_llama_gguf(gguf_file, cfg, weights, kind)
 
-    quant = {"bits": int(kind[1]), "group_size": 32} if kind.startswith("q") else None
+    quant = {"bits": int(kind[1]), "group_size": 32} if kind.startswith("q") and kind != "q6_k" else None
     dequantized = dequantized_gguf_weights(gguf_file, cfg)
     if kind == "f32" and any(not np.array_equal(weights[k], dequantized[k]) for k in weights):
         raise RuntimeError(f"{gguf_file}: names or q/k permutation do not round-trip")
-    check_mlx_reads_gguf(gguf_file, dequantized, cfg, quant)
+    if kind not in K_QUANTS:
+        # mx.load reads Q4_K and Q6_K only as float16 and fails on Q5_K:
+        # mlex reads K-quants itself, so there is nothing of MLX's to check.
+        check_mlx_reads_gguf(gguf_file, dequantized, cfg, quant)
     deq_model = build_model(cfg)
     deq_model.load_weights(list(dequantized.items()), strict=True)
     deq_dir = path / "dequantized"
@@ -1045,7 +1141,16 @@ def make_gguf_fixture(out: Path, kind: str) -> dict:
 
     prompt = random_prompt(cfg["vocab_size"])
     ref = write_reference(deq_dir, prompt, path / "reference.safetensors")
-    tolerance = mlx_gguf_distance(gguf_file, prompt, ref)
+    if kind in K_QUANTS:
+        # What mlex stores: Q4_K/Q5_K exactly (float32 scales), Q6_K rounded
+        # to float16 once.
+        stored = {k: (v.astype(mx.float16).astype(mx.float32) if kind == "q6_k" and v.ndim == 2 else v) for k, v in dequantized.items()}
+        other_model = build_model(cfg)
+        other_model.load_weights(list(stored.items()), strict=True)
+        other = run_reference(other_model, prompt)
+        tolerance = float(f"{mx.abs(other['logits_full'] - ref['logits_full']).max().item():.3g}")
+    else:
+        tolerance = mlx_gguf_distance(gguf_file, prompt, ref)
     summarize(name, params, ref)
     return manifest_entry(
         name,

@@ -68,7 +68,7 @@ pub fn compare(args: &[String]) -> Result<()> {
             }
             ours.push(last_json(&out.stdout)?);
         }
-        let out = Command::new(&py)
+        let out = python::reference_command(&py)
             .arg(root.join("xtask/py/mlxlm_bench.py"))
             .arg(&dir)
             .args(["--prompt-len", &p, "--gen", &n, "--repeats", repeats])

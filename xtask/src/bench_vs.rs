@@ -13,7 +13,6 @@
 
 use crate::{cargo, python, setup, workspace_root};
 use anyhow::{bail, Result};
-use std::process::Command;
 
 /// The value of `--name VALUE` or `--name=VALUE` in `args` (the last one).
 fn arg_value<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
@@ -39,7 +38,7 @@ pub fn bench_vs_mlxlm(args: &[String]) -> Result<()> {
     let models = root.join("target/bench-models");
     let scale = arg_value(args, "--scale").unwrap_or("tiny");
 
-    let mut make = Command::new(&py);
+    let mut make = python::reference_command(&py);
     make.arg(root.join("xtask/py/make_bench_models.py"))
         .arg(&models)
         .args(["--scale", scale]);
@@ -53,7 +52,7 @@ pub fn bench_vs_mlxlm(args: &[String]) -> Result<()> {
         );
     }
 
-    let status = Command::new(&py)
+    let status = python::reference_command(&py)
         .arg(root.join("xtask/py/bench_vs_mlxlm.py"))
         .arg("--mlex")
         .arg(&mlex)

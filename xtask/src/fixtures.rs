@@ -7,7 +7,6 @@ use crate::{assets, python, workspace_root};
 use anyhow::{bail, Result};
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
-use std::process::Command;
 
 /// Where the fixtures go (the parity tests read it too).
 pub fn fixtures_dir() -> PathBuf {
@@ -24,6 +23,13 @@ pub fn fixtures() -> Result<PathBuf> {
         h.update(std::fs::read(py_dir.join(f))?);
     }
     h.update(gguf.to_string_lossy().as_bytes());
+    // The reference venv computes on the staged runtime's BLAS (the sums of
+    // OpenBLAS and the reference BLAS round differently).
+    h.update(
+        crate::setup::blas_preload()
+            .unwrap_or_else(|| "reference blas".into())
+            .as_bytes(),
+    );
     let key = format!("{:x}", h.finalize());
     let out = fixtures_dir();
     let stamp = out.join(".stamp");
@@ -42,7 +48,7 @@ pub fn fixtures() -> Result<PathBuf> {
         "xtask: making parity fixtures with mlx-lm into {}",
         out.display()
     );
-    let status = Command::new(&py)
+    let status = python::reference_command(&py)
         .arg(py_dir.join("fixtures.py"))
         .arg("--out")
         .arg(&partial)
@@ -52,7 +58,7 @@ pub fn fixtures() -> Result<PathBuf> {
     if !status.success() {
         bail!("xtask/py/fixtures.py failed");
     }
-    let status = Command::new(&py)
+    let status = python::reference_command(&py)
         .arg(py_dir.join("dhara_ref.py"))
         .arg("--out")
         .arg(&partial)

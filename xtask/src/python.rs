@@ -105,3 +105,14 @@ pub fn venv_python() -> Result<PathBuf> {
     std::fs::write(&stamp, &key)?;
     Ok(py)
 }
+
+/// A command running the reference venv's `py` on the same BLAS as the
+/// staged mlex runtime (OpenBLAS through `LD_PRELOAD`, unless
+/// `MLEX_BLAS=reference`), so parity and speed compare like for like.
+pub fn reference_command(py: &std::path::Path) -> Command {
+    let mut c = Command::new(py);
+    if let Some(pre) = crate::setup::blas_preload() {
+        c.env("LD_PRELOAD", pre);
+    }
+    c
+}

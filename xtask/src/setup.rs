@@ -83,8 +83,91 @@ pub fn setup() -> Result<PathBuf> {
     let native = native_dir();
     fs::create_dir_all(&native)?;
     install_wheel(&pin, &native)?;
+    install_blas(&native)?;
     install_mlx_c(&pin, &native)?;
     Ok(native)
+}
+
+/// Which BLAS the staged CPU runtime uses (`MLEX_BLAS`): OpenBLAS unless
+/// `reference` asks for the wheel's own netlib BLAS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlasChoice {
+    /// Debian's `libopenblas0-pthread` in place of the wheel's BLAS/LAPACK.
+    OpenBlas,
+    /// The reference BLAS bundled with the wheel, as pip installs it.
+    Reference,
+}
+
+impl BlasChoice {
+    /// From `MLEX_BLAS` (`openblas`, the default on Linux, or `reference`).
+    pub fn from_env() -> Result<BlasChoice> {
+        if !cfg!(target_os = "linux") {
+            return Ok(BlasChoice::Reference);
+        }
+        match std::env::var("MLEX_BLAS").as_deref() {
+            Err(_) | Ok("") | Ok("openblas") => Ok(BlasChoice::OpenBlas),
+            Ok("reference") => Ok(BlasChoice::Reference),
+            Ok(other) => bail!("MLEX_BLAS is `{other}`; expected `openblas` or `reference`"),
+        }
+    }
+}
+
+/// Where Debian's `libopenblas0-pthread` puts its `libblas.so.3` and
+/// `liblapack.so.3` (both front `libopenblas.so.0`).
+fn openblas_dir() -> PathBuf {
+    PathBuf::from(format!(
+        "/usr/lib/{}-linux-gnu/openblas-pthread",
+        std::env::consts::ARCH
+    ))
+}
+
+const BLAS_LIBS: [&str; 2] = ["libblas.so.3", "liblapack.so.3"];
+
+/// Puts OpenBLAS's BLAS and LAPACK in `native/blas/`, which the mlx-sys
+/// build stages under the wheel's library names (the wheel links the
+/// reference BLAS: OpenBLAS took SmolLM2-135M's CPU prefill from 14 to 357
+/// tok/s); `MLEX_BLAS=reference` removes them.
+fn install_blas(native: &Path) -> Result<()> {
+    let dest = native.join("blas");
+    if BlasChoice::from_env()? == BlasChoice::Reference {
+        if dest.exists() {
+            fs::remove_dir_all(&dest)?;
+            eprintln!(
+                "xtask: MLEX_BLAS=reference: the CPU runtime uses the wheel's reference BLAS"
+            );
+        }
+        return Ok(());
+    }
+    let src = openblas_dir();
+    fs::create_dir_all(&dest)?;
+    for lib in BLAS_LIBS {
+        let from = src.join(lib);
+        let to = dest.join(lib);
+        let same = match (fs::metadata(&from), fs::metadata(&to)) {
+            (Ok(a), Ok(b)) => a.len() == b.len(),
+            _ => false,
+        };
+        if !same {
+            fs::copy(&from, &to).with_context(|| {
+                format!("copying {} (from libopenblas0-pthread)", from.display())
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// `LD_PRELOAD` for a Python that runs the wheel's MLX with the same BLAS
+/// as the staged runtime (the reference venv, mlx-lm in benchmarks); `None`
+/// with the reference BLAS.
+pub fn blas_preload() -> Option<String> {
+    let dir = native_dir().join("blas");
+    let libs: Vec<String> = BLAS_LIBS
+        .iter()
+        .map(|l| dir.join(l))
+        .filter(|p| p.is_file())
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    (libs.len() == BLAS_LIBS.len()).then(|| libs.join(":"))
 }
 
 fn succeeds(cmd: &str, args: &[&str]) -> bool {
@@ -182,21 +265,33 @@ fn system_packages() -> Result<()> {
         missing_tools.push("g++");
     }
     let need_clang = !has_libclang();
-    if missing_tools.is_empty() && !need_clang {
+    let need_blas = BlasChoice::from_env()? == BlasChoice::OpenBlas
+        && !BLAS_LIBS.iter().all(|l| openblas_dir().join(l).is_file());
+    if missing_tools.is_empty() && !need_clang && !need_blas {
         return Ok(());
     }
     let mut packages: Vec<String> = missing_tools.iter().map(|s| s.to_string()).collect();
+    if need_blas {
+        // Its BLAS is 25x faster than the wheel's on the CPU; MLEX_BLAS=reference
+        // keeps the wheel's.
+        packages.push("libopenblas0-pthread".to_owned());
+    }
     if need_clang {
         let v = debian_clang_version();
         packages.push(format!("libclang1-{v}"));
         packages.push(format!("libclang-common-{v}-dev"));
     }
     let list = packages.join(" ");
+    let blas_hint = if need_blas {
+        " (or set MLEX_BLAS=reference to keep the wheel's slow reference BLAS instead of libopenblas0-pthread)"
+    } else {
+        ""
+    };
     if !succeeds("apt-get", &["--version"]) {
-        bail!("missing system packages: {list} (cmake, a C++ compiler and libclang); install them and run again");
+        bail!("missing system packages: {list} (cmake, a C++ compiler, libclang, OpenBLAS); install them and run again{blas_hint}");
     }
     if !is_root() {
-        bail!("missing system packages; run `sudo apt-get install -y {list}` and then this command again");
+        bail!("missing system packages; run `sudo apt-get install -y {list}` and then this command again{blas_hint}");
     }
     eprintln!("xtask: installing {list} with apt-get");
     let status = Command::new("apt-get")

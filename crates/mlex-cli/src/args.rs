@@ -117,6 +117,19 @@ pub struct ServeArgs {
     pub prompt_cache_bytes: usize,
 }
 
+/// How a quantized checkpoint's weights are held in memory.
+#[derive(Clone, Copy, Debug, Default, ValueEnum, PartialEq, Eq)]
+pub enum WeightForm {
+    /// Dense f32 on the CPU with OpenBLAS when they fit in a quarter of the
+    /// memory, else as stored.
+    #[default]
+    Auto,
+    /// As stored (packed quantized matrices stay packed).
+    Stored,
+    /// Dequantized to dense matrices.
+    Dense,
+}
+
 /// The model to load.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -135,6 +148,12 @@ pub struct ModelArgs {
     /// Group size for --quantize (32, 64, 128).
     #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub group_size: i32,
+    /// How quantized weights run: `auto` dequantizes them to f32 on the CPU
+    /// when OpenBLAS is in use and the dense weights take at most a quarter of
+    /// the memory (measured faster there); `stored` keeps them packed; `dense`
+    /// always dequantizes.
+    #[arg(long, value_enum, default_value_t = WeightForm::Auto)]
+    pub weights: WeightForm,
     /// Prompt tokens per prefill step (default: 4096 on a GPU, 512 on the CPU).
     #[arg(long, allow_negative_numbers = true, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: Option<u32>,

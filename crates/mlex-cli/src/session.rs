@@ -59,8 +59,69 @@ pub fn load_with(m: &ModelArgs, registry: &Registry) -> Result<LoadedModel> {
             bits,
         )?;
         loaded.fingerprint = mlex_models::load::fingerprint(&loaded.model)?;
+    } else if dense_weights(m.weights, &loaded.model)? {
+        let arch = registry.architecture(&loaded.model.arch)?;
+        if let Some(model) = mlex_models::quantize::dequantize(
+            &loaded.model,
+            arch.as_ref(),
+            registry,
+            mlx_rs::Dtype::Float32,
+        )? {
+            loaded.model = model;
+            loaded.fingerprint = mlex_models::load::fingerprint(&loaded.model)?;
+        }
     }
     Ok(loaded)
+}
+
+/// Whether `--weights` (its `auto` rule included) dequantizes `model`.
+fn dense_weights(form: crate::args::WeightForm, model: &mlex_core::model::Model) -> Result<bool> {
+    use crate::args::WeightForm;
+    Ok(match form {
+        WeightForm::Stored => false,
+        WeightForm::Dense => !model.quantization.is_none(),
+        WeightForm::Auto => {
+            if model.quantization.is_none()
+                || mlex_core::device::runtime_info()?.default_device != "cpu"
+                || mlex_core::device::cpu_blas() != mlex_core::device::CpuBlas::OpenBlas
+            {
+                return Ok(false);
+            }
+            // The f32 size: a packed matrix holds 32 / bits weights per u32.
+            let names: std::collections::HashSet<&str> =
+                model.params.iter().map(|(n, _)| n).collect();
+            let dense_bytes: u64 = model
+                .params
+                .iter()
+                .filter(|(n, _)| !n.ends_with(".scales") && !n.ends_with(".biases"))
+                .map(|(n, a)| {
+                    let module = n.strip_suffix(".weight").unwrap_or(n);
+                    let per_element = match model.quantization.for_module(module) {
+                        Some(q) if names.contains(format!("{module}.scales").as_str()) => {
+                            32 / q.bits.max(1) as u64
+                        }
+                        _ => 1,
+                    };
+                    a.size() as u64 * per_element * 4
+                })
+                .sum();
+            dense_bytes <= physical_memory() / 4
+        }
+    })
+}
+
+fn physical_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages <= 0 || size <= 0 {
+        return 0;
+    }
+    pages as u64 * size as u64
 }
 
 /// The model's tokenizer (from the directory or the GGUF metadata).

@@ -44,6 +44,44 @@ pub struct RuntimeInfo {
     pub gpu_name: Option<String>,
 }
 
+/// The BLAS that MLX's CPU products run on in this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuBlas {
+    /// OpenBLAS (staged by `cargo xtask setup` in place of the wheel's).
+    OpenBlas,
+    /// The reference (netlib) BLAS bundled with the PyPI wheel.
+    Reference,
+    /// Apple's Accelerate.
+    Accelerate,
+    /// Not known (no `/proc/self/maps`).
+    Unknown,
+}
+
+impl std::fmt::Display for CpuBlas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CpuBlas::OpenBlas => "OpenBLAS",
+            CpuBlas::Reference => "reference BLAS (netlib)",
+            CpuBlas::Accelerate => "Accelerate",
+            CpuBlas::Unknown => "unknown",
+        })
+    }
+}
+
+/// Which BLAS the loaded `libmlx` resolved: on Linux, read from the
+/// libraries mapped into this process (OpenBLAS's `libblas.so.3` pulls in
+/// `libopenblas.so.0`).
+pub fn cpu_blas() -> CpuBlas {
+    if cfg!(target_os = "macos") {
+        return CpuBlas::Accelerate;
+    }
+    match std::fs::read_to_string("/proc/self/maps") {
+        Ok(maps) if maps.contains("openblas") => CpuBlas::OpenBlas,
+        Ok(maps) if maps.contains("libblas") => CpuBlas::Reference,
+        _ => CpuBlas::Unknown,
+    }
+}
+
 /// Makes sure mlx-rs's error handler is installed before any raw mlx-c
 /// call (mlx-c's default handler exits the process).
 fn ensure_error_handler() {

@@ -36,10 +36,12 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("chat_template", chat_template),
 ];
 
-/// GGUF header and metadata validation (`mlex_models::gguf::validate_gguf`).
+/// A GGUF file end to end (`mlex_models::gguf::load`): header and
+/// metadata checks, every tensor's conversion (K-quants included) and the
+/// synthesized config.
 pub fn gguf_header(data: &[u8]) {
     let f = scratch("model.gguf", data);
-    let _ = mlex_models::gguf::validate_gguf(&f.path);
+    let _ = mlex_models::gguf::load(&f.path);
 }
 
 /// Safetensors header validation (`mlex_core::weights::validate_safetensors`).

@@ -1,23 +1,23 @@
-//! GGUF checkpoints of the llama family, read with MLX's own GGUF loader.
+//! GGUF checkpoints of the llama family.
 //!
-//! MLX returns `Q4_0`, `Q4_1` and `Q8_0` tensors as affine-quantized
-//! `weight`/`scales`/`biases` (group 32) and `F16`/`F32` as dense arrays.
+//! [`crate::gguf_file`] reads the container and turns each tensor type into
+//! MLX affine `weight`/`scales`/`biases` (group 32) or a dense array (see
+//! there for which type becomes what, and at what memory cost).
 //! This module turns llama.cpp's naming into mlx-lm's, undoes llama.cpp's
 //! row permutation of Q and K (its RoPE layout), synthesizes `config.json`
 //! (with the quantization of every tensor) from the `llama.*` metadata, and
 //! reads the tokenizer metadata.
 //!
-//! The file header is walked before MLX sees the file, so a truncated or
-//! corrupt GGUF is an error naming it rather than a crash inside gguflib.
+//! Every size in the header is checked against the file before any tensor
+//! is read, so a truncated or corrupt GGUF is an error naming it.
 
+use crate::gguf_file::{self, MetaValue};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::{Error, Result};
 use mlex_core::weights::WeightMap;
-use mlx_rs::io::{GgufFile, GgufMetadataValue};
-use mlx_rs::{ops, Array, Dtype};
+use mlx_rs::{ops, Array};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::Path;
 
 /// Tokenizer data stored in a GGUF file.
@@ -63,226 +63,76 @@ fn bad(path: &Path, message: impl Into<String>) -> Error {
 }
 
 /// Walks the GGUF header (metadata and tensor descriptors) and checks that
-/// every tensor's data lies inside the file; returns each tensor's name and
-/// GGML type.
+/// every tensor's type is one mlex reads and its data lies inside the file;
+/// returns each tensor's name and GGML type.
 pub fn validate_gguf(path: &Path) -> Result<Vec<(String, String)>> {
-    let len = std::fs::metadata(path)
-        .map_err(|e| Error::io(path, e))?
-        .len();
-    let mut f = std::io::BufReader::new(std::fs::File::open(path).map_err(|e| Error::io(path, e))?);
-    let mut pos: u64 = 0;
-    // Every size comes from the file: checked arithmetic throughout, so a
-    // crafted header is an error, not an overflow or a huge allocation.
-    let mut read = |n: u64, pos: &mut u64| -> Result<Vec<u8>> {
-        if pos.checked_add(n).is_none_or(|end| end > len) {
-            return Err(bad(
-                path,
-                format!(
-                    "truncated header: {n} bytes claimed at byte {}, file has {len}",
-                    *pos
-                ),
-            ));
-        }
-        let mut b = vec![0u8; n as usize];
-        f.read_exact(&mut b).map_err(|e| bad(path, e.to_string()))?;
-        *pos += n;
-        Ok(b)
-    };
-    let u32_at = |b: &[u8]| u32::from_le_bytes(b[..4].try_into().expect("4 bytes"));
-    let u64_at = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
-    if read(4, &mut pos)? != b"GGUF" {
-        return Err(bad(path, "missing GGUF magic"));
-    }
-    let version = u32_at(&read(4, &mut pos)?);
-    if !(2..=3).contains(&version) {
-        return Err(bad(path, format!("unsupported GGUF version {version}")));
-    }
-    let n_tensors = u64_at(&read(8, &mut pos)?);
-    let n_kv = u64_at(&read(8, &mut pos)?);
-    if n_tensors > 1 << 24 || n_kv > 1 << 24 {
-        return Err(bad(path, "implausible tensor or metadata count"));
-    }
-    fn skip_value(
-        ty: u32,
-        read: &mut dyn FnMut(u64, &mut u64) -> Result<Vec<u8>>,
-        pos: &mut u64,
-        depth: usize,
-        path: &Path,
-    ) -> Result<()> {
-        let size = match ty {
-            0 | 1 | 7 => 1,
-            2 | 3 => 2,
-            4..=6 => 4,
-            10..=12 => 8,
-            8 => {
-                let n = u64::from_le_bytes(read(8, pos)?[..8].try_into().expect("8"));
-                read(n, pos)?;
-                return Ok(());
-            }
-            9 => {
-                if depth > 2 {
-                    return Err(bad(path, "nested metadata arrays too deep"));
-                }
-                let inner = u32::from_le_bytes(read(4, pos)?[..4].try_into().expect("4"));
-                let n = u64::from_le_bytes(read(8, pos)?[..8].try_into().expect("8"));
-                for _ in 0..n {
-                    skip_value(inner, read, pos, depth + 1, path)?;
-                }
-                return Ok(());
-            }
-            other => return Err(bad(path, format!("unknown metadata type {other}"))),
-        };
-        read(size, pos)?;
-        Ok(())
-    }
-    let mut alignment = 32u64;
-    for _ in 0..n_kv {
-        let klen = u64_at(&read(8, &mut pos)?);
-        let key = String::from_utf8_lossy(&read(klen, &mut pos)?).into_owned();
-        let ty = u32_at(&read(4, &mut pos)?);
-        if key == "general.alignment" && ty == 4 {
-            alignment = u64::from(u32_at(&read(4, &mut pos)?)).max(1);
-        } else {
-            skip_value(ty, &mut read, &mut pos, 0, path)?;
-        }
-    }
-    let mut infos = Vec::new();
-    for _ in 0..n_tensors {
-        let nlen = u64_at(&read(8, &mut pos)?);
-        let name = String::from_utf8_lossy(&read(nlen, &mut pos)?).into_owned();
-        let ndim = u32_at(&read(4, &mut pos)?);
-        if ndim > 8 {
-            return Err(bad(path, format!("tensor `{name}` has {ndim} dimensions")));
-        }
-        let mut elems: u64 = 1;
-        for _ in 0..ndim {
-            let dim = u64_at(&read(8, &mut pos)?);
-            elems = elems.checked_mul(dim).ok_or_else(|| {
-                bad(
-                    path,
-                    format!("tensor `{name}`: its dimensions overflow 64 bits"),
-                )
-            })?;
-        }
-        let ty = u32_at(&read(4, &mut pos)?);
-        let offset = u64_at(&read(8, &mut pos)?);
-        // Bytes per element block for the types MLX reads.
-        let bytes = match ty {
-            0 => elems.checked_mul(4),           // F32
-            1 => elems.checked_mul(2),           // F16
-            2 => (elems / 32).checked_mul(18),   // Q4_0
-            3 => (elems / 32).checked_mul(20),   // Q4_1
-            8 => (elems / 32).checked_mul(34),   // Q8_0
-            30 => elems.checked_mul(2),          // BF16
-            other => {
-                return Err(bad(
-                    path,
-                    format!("tensor `{name}` has GGML type {other}; MLX reads F32, F16, BF16, Q4_0, Q4_1 and Q8_0"),
-                ))
-            }
-        };
-        let bytes = bytes
-            .ok_or_else(|| bad(path, format!("tensor `{name}`: its size overflows 64 bits")))?;
-        let type_name = match ty {
-            0 => "F32",
-            1 => "F16",
-            2 => "Q4_0",
-            3 => "Q4_1",
-            8 => "Q8_0",
-            _ => "BF16",
-        };
-        infos.push((name, offset, bytes, type_name));
-    }
-    let data_start = pos
-        .div_ceil(alignment)
-        .checked_mul(alignment)
-        .ok_or_else(|| {
-            bad(
-                path,
-                format!("alignment {alignment} overflows the file offsets"),
-            )
-        })?;
-    let mut types = Vec::with_capacity(infos.len());
-    for (name, offset, bytes, type_name) in infos {
-        let Some(end) = data_start
-            .checked_add(offset)
-            .and_then(|e| e.checked_add(bytes))
-        else {
-            return Err(bad(
-                path,
-                format!("tensor `{name}`: offset {offset} + {bytes} bytes overflows 64 bits"),
-            ));
-        };
-        if end > len {
-            return Err(bad(
-                path,
-                format!("tensor `{name}` ends at byte {end}, past the end of the file ({len} bytes): truncated?"),
-            ));
-        }
-        types.push((name, type_name.to_owned()));
-    }
-    Ok(types)
+    Ok(gguf_file::read_header(path)?
+        .tensors
+        .into_iter()
+        .map(|t| (t.name, t.ty.name().to_owned()))
+        .collect())
 }
 
 /// Typed metadata reads; every error names the file and the key.
 struct Meta<'a> {
-    f: &'a GgufFile,
+    meta: &'a BTreeMap<String, MetaValue>,
     path: &'a Path,
 }
 
 impl Meta<'_> {
-    fn array(&self, key: &str, dtype: Dtype) -> Result<Option<Array>> {
-        let err = |e: &dyn std::fmt::Display| bad(self.path, format!("metadata `{key}`: {e}"));
-        match self.f.get_metadata(key).map_err(|e| err(&e))? {
-            Some(GgufMetadataValue::Array(a)) => {
-                let a = a.as_dtype(dtype).map_err(|e| err(&e))?;
-                a.eval().map_err(|e| err(&e))?;
-                Ok(Some(a))
-            }
-            _ => Ok(None),
-        }
-    }
-
     fn f64(&self, key: &str) -> Result<Option<f64>> {
-        self.array(key, Dtype::Float32)?
-            .map(|a| {
-                a.try_item_exact::<f32>()
-                    .map(f64::from)
-                    .map_err(|e| bad(self.path, format!("metadata `{key}`: {e}")))
+        self.meta
+            .get(key)
+            .map(|v| {
+                v.as_f64()
+                    .ok_or_else(|| bad(self.path, format!("metadata `{key}` is not a number")))
             })
             .transpose()
     }
 
     fn i64(&self, key: &str) -> Result<Option<i64>> {
-        self.array(key, Dtype::Int32)?
-            .map(|a| {
-                a.try_item_exact::<i32>()
-                    .map(i64::from)
-                    .map_err(|e| bad(self.path, format!("metadata `{key}`: {e}")))
+        self.meta
+            .get(key)
+            .map(|v| {
+                v.as_i64()
+                    .ok_or_else(|| bad(self.path, format!("metadata `{key}` is not an integer")))
             })
             .transpose()
     }
 
     fn ints(&self, key: &str) -> Result<Vec<i32>> {
-        match self.array(key, Dtype::Int32)? {
-            Some(a) => Ok(a
-                .try_as_slice::<i32>()
-                .map_err(|e| bad(self.path, format!("metadata `{key}`: {e}")))?
-                .to_vec()),
+        match self.meta.get(key) {
+            Some(MetaValue::Array(v)) => v
+                .iter()
+                .map(|x| {
+                    x.as_i64()
+                        .and_then(|i| i32::try_from(i).ok())
+                        .ok_or_else(|| {
+                            bad(self.path, format!("metadata `{key}` holds a non-integer"))
+                        })
+                })
+                .collect(),
+            Some(_) => Err(bad(self.path, format!("metadata `{key}` is not an array"))),
             None => Ok(Vec::new()),
         }
     }
 
     fn str(&self, key: &str) -> Option<String> {
-        match self.f.get_metadata(key) {
-            Ok(Some(GgufMetadataValue::String(s))) => Some(s),
+        match self.meta.get(key) {
+            Some(MetaValue::Str(s)) => Some(s.clone()),
             _ => None,
         }
     }
 
     fn strings(&self, key: &str) -> Vec<String> {
-        match self.f.get_metadata(key) {
-            Ok(Some(GgufMetadataValue::Strings(s))) => s,
+        match self.meta.get(key) {
+            Some(MetaValue::Array(v)) => v
+                .iter()
+                .filter_map(|x| match x {
+                    MetaValue::Str(s) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect(),
             _ => Vec::new(),
         }
     }
@@ -329,10 +179,17 @@ fn unpermute(a: &Array, heads: i32) -> Result<Array> {
 
 /// Reads a llama-family GGUF file.
 pub fn load(path: &Path) -> Result<GgufCheckpoint> {
-    let file_types: BTreeMap<String, String> = validate_gguf(path)?.into_iter().collect();
+    let header = gguf_file::read_header(path)?;
+    let file_types: BTreeMap<String, String> = header
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.ty.name().to_owned()))
+        .collect();
     let mut tensor_types = Vec::new();
-    let f = GgufFile::load(path).map_err(|e| bad(path, e.to_string()))?;
-    let meta = Meta { f: &f, path };
+    let meta = Meta {
+        meta: &header.meta,
+        path,
+    };
     let arch = meta.str("general.architecture").unwrap_or_default();
     if arch != "llama" {
         return Err(bad(
@@ -375,7 +232,24 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         chat_template: meta.str("tokenizer.chat_template"),
     };
 
-    let raw = f.arrays().map_err(|e| bad(path, e.to_string()))?;
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut raw: Vec<(String, Array)> = Vec::new();
+    for t in &header.tensors {
+        let module = t.name.strip_suffix(".weight").unwrap_or(&t.name);
+        match gguf_file::read_tensor(&mut file, t, path)? {
+            gguf_file::TensorData::Dense(a) => raw.push((t.name.clone(), a)),
+            gguf_file::TensorData::Affine {
+                weight,
+                scales,
+                biases,
+                ..
+            } => {
+                raw.push((t.name.clone(), weight));
+                raw.push((format!("{module}.scales"), scales));
+                raw.push((format!("{module}.biases"), biases));
+            }
+        }
+    }
     let mut weights = WeightMap::new();
     let file = weights.add_file(path.to_owned());
     // module → (bits, group) for quantized tensors

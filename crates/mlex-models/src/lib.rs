@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod gguf;
+pub mod gguf_file;
 pub mod layers;
 pub mod load;
 pub mod models;

@@ -76,3 +76,81 @@ pub fn quantize(
         registry,
     )
 }
+
+/// Undoes affine quantization: every packed matrix of `model` becomes a
+/// dense one of `dtype` (the rest is cast to `dtype` as well when it is a
+/// float), so products run through the platform's BLAS instead of the
+/// quantized kernels. On the CPU with OpenBLAS that is the faster path
+/// for models whose dense weights fit in memory (see `docs/BENCHMARKS.md`).
+/// `None` when the model is not quantized.
+pub fn dequantize(
+    model: &Model,
+    arch: &dyn Architecture,
+    registry: &Registry,
+    dtype: mlx_rs::Dtype,
+) -> Result<Option<Model>> {
+    if model.quantization.is_none() {
+        return Ok(None);
+    }
+    let names: BTreeSet<&str> = model.params.iter().map(|(n, _)| n).collect();
+    let mut weights = WeightMap::new();
+    let file = weights.add_file("(dequantized in memory)".into());
+    let get = |n: &str| {
+        model
+            .params
+            .iter()
+            .find(|(m, _)| *m == n)
+            .map(|(_, a)| a.clone())
+    };
+    for (name, array) in model.params.iter() {
+        if name.ends_with(".scales") || name.ends_with(".biases") {
+            let module = &name[..name.len() - 7];
+            if names.contains(format!("{module}.weight").as_str()) {
+                continue;
+            }
+        }
+        let module = name.strip_suffix(".weight");
+        let spec = module.and_then(|m| {
+            names
+                .contains(format!("{m}.scales").as_str())
+                .then(|| model.quantization.for_module(m))
+                .flatten()
+        });
+        let dense = match (module, spec) {
+            (Some(m), Some(q)) => {
+                let scales = get(&format!("{m}.scales")).expect("present");
+                let biases = get(&format!("{m}.biases")).ok_or_else(|| {
+                    Error::Other(format!("`{m}` has scales but no biases: not affine"))
+                })?;
+                ops::dequantize(array, &scales, &biases, q.group_size, q.bits)?
+            }
+            _ => array.clone(),
+        };
+        let dense = if is_float(dense.dtype()) {
+            dense.as_dtype(dtype)?
+        } else {
+            dense
+        };
+        weights.insert(name, dense, file);
+    }
+    let plan = arch.plan(&model.config)?;
+    let mut config = model.config.clone();
+    if let Some(o) = config.value_mut().as_object_mut() {
+        o.remove("quantization");
+        o.remove("quantization_config");
+    }
+    Model::build_from_plan(
+        &model.arch,
+        config,
+        plan,
+        weights,
+        Quantization::default(),
+        registry,
+    )
+    .map(Some)
+}
+
+fn is_float(d: mlx_rs::Dtype) -> bool {
+    use mlx_rs::Dtype::*;
+    matches!(d, Float16 | Bfloat16 | Float32 | Float64)
+}

@@ -36,7 +36,9 @@ pub fn run(a: EnvArgs) -> Result<()> {
     let rel = diff / scale.max(1e-30);
     let ok = rel < 1e-2;
     let lib = loaded_libmlx();
+    let blas = mlex_core::device::cpu_blas().to_string();
     let out = json!({
+        "cpu_blas": blas,
         "mlx_version": info.mlx_version,
         "backend": info.backend.to_string(),
         "default_device": info.default_device,
@@ -50,6 +52,7 @@ pub fn run(a: EnvArgs) -> Result<()> {
     } else {
         println!("mlx           {}", info.mlx_version);
         println!("libmlx        {}", lib.as_deref().unwrap_or("(unknown)"));
+        println!("cpu blas      {blas}");
         println!("backend       {}", info.backend);
         println!("default       {}", info.default_device);
         match &info.gpu_name {

@@ -783,7 +783,16 @@ GGUF_LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
 }
+
+# mlx-lm model_type -> llama.cpp's general.architecture.
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 GGUF_GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -1028,18 +1037,28 @@ def quantize_k(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind: str) -> None:
-    """Write mlx-lm llama weights as llama.cpp would: GGUF names, q/k rows
-    permuted, 2-D tensors in ``kind``'s type and 1-D norms in F32."""
+    """Write mlx-lm weights as llama.cpp would: GGUF names, q/k rows
+    permuted (llama only: its converter leaves Qwen's rows alone), 2-D and
+    3-D (expert) tensors in ``kind``'s type and 1-D norms in F32."""
     qtype, file_type = GGUF_TYPES[kind]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("mlex tiny llama")
+    arch = GGUF_ARCH[cfg["model_type"]]
+    permute = arch == "llama"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"mlex tiny {arch}")
+    if "head_dim" in cfg:
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+    if "num_experts" in cfg:
+        writer.add_expert_count(cfg["num_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_rope_dimension_count(cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]))
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
@@ -1057,7 +1076,7 @@ def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind
     for name, value in weights.items():
         gname = mlx_to_gguf_name(name)
         heads = qk_heads(gname, cfg["num_attention_heads"], cfg["num_key_value_heads"])
-        if heads is not None:
+        if heads is not None and permute and value.ndim == 2:
             value = permute_qk(value, heads)
         if value.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gname, value.astype(np.float32))
@@ -1077,10 +1096,11 @@ def dequantized_gguf_weights(path: Path, cfg: dict) -> dict[str, mx.array]:
     """Read a GGUF with the gguf package, dequantize to float32, map to
     mlx-lm names and un-permute q/k."""
     weights = {}
+    permute = cfg["model_type"] == "llama"
     for t in gguf.GGUFReader(str(path)).tensors:
         value = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         heads = qk_heads(t.name, cfg["num_attention_heads"], cfg["num_key_value_heads"])
-        if heads is not None:
+        if heads is not None and permute and value.ndim == 2:
             value = unpermute_qk(value, heads)
         weights[gguf_to_mlx_name(t.name)] = mx.array(value)
     return weights
@@ -1110,13 +1130,20 @@ def check_mlx_reads_gguf(path: Path, dequantized: dict[str, mx.array], cfg: dict
             raise RuntimeError(f"{path}: mx.load's {gname} differs from gguf's by {err}")
 
 
-def make_gguf_fixture(out: Path, kind: str) -> dict:
-    """A tiny llama GGUF, its dequantized float32 twin in MLX layout (the
-    reference), and the logit distance of mlx-lm on mx.load's tensors."""
-    name = f"gguf-{kind}"
-    cfg = llama_config(K_DIMS if kind in K_QUANTS else TINY, tie=False)
+GGUF_FAMILY_CONFIGS = {"qwen2": qwen2_config, "qwen3": qwen3_config, "qwen3_moe": qwen3_moe_config}
+
+
+def make_gguf_fixture(out: Path, kind: str, family: str = "llama") -> dict:
+    """A tiny GGUF of ``family`` (llama.cpp's names and layout), its
+    dequantized float32 twin in MLX layout (the reference), and the logit
+    distance of mlx-lm on mx.load's tensors."""
+    name = f"gguf-{kind}" if family == "llama" else f"gguf-{family}-{kind}"
+    if family == "llama":
+        cfg = llama_config(K_DIMS if kind in K_QUANTS else TINY, tie=False)
+    else:
+        cfg = GGUF_FAMILY_CONFIGS[family]()
     cfg["rms_norm_eps"] = 1e-5
-    model = random_model(cfg, seed_for("gguf_llama"))
+    model = random_model(cfg, seed_for(f"gguf_{family}"))
     params = get_total_parameters(model)
     weights = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
 
@@ -1128,9 +1155,10 @@ def make_gguf_fixture(out: Path, kind: str) -> dict:
     dequantized = dequantized_gguf_weights(gguf_file, cfg)
     if kind == "f32" and any(not np.array_equal(weights[k], dequantized[k]) for k in weights):
         raise RuntimeError(f"{gguf_file}: names or q/k permutation do not round-trip")
-    if kind not in K_QUANTS:
-        # mx.load reads Q4_K and Q6_K only as float16 and fails on Q5_K:
-        # mlex reads K-quants itself, so there is nothing of MLX's to check.
+    mlx_readable = kind not in K_QUANTS and family == "llama"
+    if mlx_readable:
+        # mx.load reads Q4_K and Q6_K only as float16 and fails on Q5_K, and
+        # the export below knows only llama: mlex reads GGUF itself.
         check_mlx_reads_gguf(gguf_file, dequantized, cfg, quant)
     deq_model = build_model(cfg)
     deq_model.load_weights(list(dequantized.items()), strict=True)
@@ -1141,9 +1169,9 @@ def make_gguf_fixture(out: Path, kind: str) -> dict:
 
     prompt = random_prompt(cfg["vocab_size"])
     ref = write_reference(deq_dir, prompt, path / "reference.safetensors")
-    if kind in K_QUANTS:
-        # What mlex stores: Q4_K/Q5_K exactly (float32 scales), Q6_K rounded
-        # to float16 once.
+    if not mlx_readable:
+        # What mlex stores: Q4_K/Q5_K/Q8_0 exactly (float32 or exact float16
+        # scales), Q6_K rounded to float16 once.
         stored = {k: (v.astype(mx.float16).astype(mx.float32) if kind == "q6_k" and v.ndim == 2 else v) for k, v in dequantized.items()}
         other_model = build_model(cfg)
         other_model.load_weights(list(stored.items()), strict=True)
@@ -1154,12 +1182,12 @@ def make_gguf_fixture(out: Path, kind: str) -> dict:
     summarize(name, params, ref)
     return manifest_entry(
         name,
-        "llama",
+        cfg["model_type"],
         {"f16": "float16"}.get(kind, "float32"),
         quant,
         "gguf",
         f"{name}/model.gguf",
-        f"llama.cpp naming and q/k permutation, {kind.upper()} 2-D tensors, F32 norms, untied output. "
+        f"llama.cpp naming{' and q/k permutation' if family == 'llama' else ''}, {kind.upper()} 2-D/3-D tensors, F32 norms. "
         f"Reference: mlx-lm on the gguf package's float32 dequantization ({name}/dequantized, un-permuted). "
         "tolerance_hint: max |logit| difference to mlx-lm on the MLX checkpoint built from mx.load's tensors "
         "(for quantized files it comes from QuantizedEmbedding returning float16, the scales' dtype)",
@@ -1331,6 +1359,10 @@ def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
     fixtures = [Fixture(s.name, lambda out, s=s: [make_mlx_fixture(out, s)]) for s in mlx_specs()]
     fixtures += [Fixture(s.name, lambda out, s=s: [make_hf_fixture(out, s)], [s.twin]) for s in HF_SPECS]
     fixtures += [Fixture(f"gguf-{k}", lambda out, k=k: [make_gguf_fixture(out, k)]) for k in GGUF_TYPES]
+    fixtures += [
+        Fixture(f"gguf-{fam}-q8_0", lambda out, fam=fam: [make_gguf_fixture(out, "q8_0", fam)])
+        for fam in GGUF_FAMILY_CONFIGS
+    ]
     if smollm2_gguf is not None:
         fixtures.append(Fixture("smollm2-export", lambda out: make_smollm2_fixtures(out, smollm2_gguf)))
         fixtures.append(Fixture("qwen3-chat", lambda out: make_chat_fixture(out, smollm2_gguf)))

@@ -138,7 +138,38 @@ impl Meta<'_> {
     }
 }
 
-/// llama.cpp tensor name → mlx-lm llama name (without `.weight` etc.).
+/// The GGUF architectures mlex reads, by `general.architecture`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Qwen3Moe,
+}
+
+impl Family {
+    fn of(arch: &str) -> Option<Family> {
+        Some(match arch {
+            "llama" => Family::Llama,
+            "qwen2" => Family::Qwen2,
+            "qwen3" => Family::Qwen3,
+            "qwen3moe" => Family::Qwen3Moe,
+            _ => return None,
+        })
+    }
+
+    /// The mlx-lm `model_type` whose names the tensors are mapped to.
+    fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Qwen3Moe => "qwen3_moe",
+        }
+    }
+}
+
+/// llama.cpp tensor name → mlx-lm name (without `.weight` etc.).
 fn rename(module: &str) -> Option<String> {
     let simple = [
         ("token_embd", "model.embed_tokens"),
@@ -160,6 +191,12 @@ fn rename(module: &str) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        "attn_q_norm" => "self_attn.q_norm",
+        "attn_k_norm" => "self_attn.k_norm",
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_exps" => "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps" => "mlp.switch_mlp.up_proj",
+        "ffn_down_exps" => "mlp.switch_mlp.down_proj",
         _ => return None,
     };
     Some(format!("model.layers.{n}.{to}"))
@@ -191,12 +228,21 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         path,
     };
     let arch = meta.str("general.architecture").unwrap_or_default();
-    if arch != "llama" {
-        return Err(bad(
+    let family = Family::of(&arch).ok_or_else(|| {
+        bad(
             path,
-            format!("general.architecture is `{arch}`; GGUF loading supports the llama family"),
-        ));
-    }
+            format!(
+                "general.architecture is `{arch}`; GGUF loading supports llama, qwen2, qwen3 and qwen3moe{}",
+                if ["qwen35", "qwen3next", "nemotron_h"].contains(&arch.as_str()) {
+                    " (the hybrids load from safetensors checkpoints for now)"
+                } else {
+                    ""
+                }
+            ),
+        )
+    })?;
+    // Every hyperparameter key is prefixed with the architecture's name.
+    let k = |key: &str| format!("{arch}.{key}");
     let positive = |k: &str, v: i64| -> Result<i64> {
         mlex_core::config::count(v)
             .map(i64::from)
@@ -208,19 +254,33 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
             .ok_or_else(|| bad(path, format!("metadata `{k}` is missing")))?;
         positive(k, v)
     };
-    let layers = need("llama.block_count")?;
-    let hidden = need("llama.embedding_length")?;
-    let ffn = need("llama.feed_forward_length")?;
-    let heads = need("llama.attention.head_count")?;
-    let kv_heads = match meta.i64("llama.attention.head_count_kv")? {
-        Some(v) => positive("llama.attention.head_count_kv", v)?,
+    let layers = need(&k("block_count"))?;
+    let hidden = need(&k("embedding_length"))?;
+    let ffn = match family {
+        // A MoE model may leave the dense width out when no layer is dense.
+        Family::Qwen3Moe => match meta.i64(&k("feed_forward_length"))? {
+            Some(v) => positive(&k("feed_forward_length"), v)?,
+            None => need(&k("expert_feed_forward_length"))?,
+        },
+        _ => need(&k("feed_forward_length"))?,
+    };
+    let heads = need(&k("attention.head_count"))?;
+    let kv_heads = match meta.i64(&k("attention.head_count_kv"))? {
+        Some(v) => positive(&k("attention.head_count_kv"), v)?,
         None => heads,
     };
-    let theta = meta.f64("llama.rope.freq_base")?.unwrap_or(10000.0);
+    let head_dim = match meta.i64(&k("attention.key_length"))? {
+        Some(v) => Some(positive(&k("attention.key_length"), v)?),
+        None => None,
+    };
+    let theta = meta.f64(&k("rope.freq_base"))?.unwrap_or(match family {
+        Family::Llama => 10000.0,
+        _ => 1_000_000.0,
+    });
     let eps = meta
-        .f64("llama.attention.layer_norm_rms_epsilon")?
-        .unwrap_or(1e-5);
-    let context = meta.i64("llama.context_length")?;
+        .f64(&k("attention.layer_norm_rms_epsilon"))?
+        .unwrap_or(1e-6);
+    let context = meta.i64(&k("context_length"))?;
     let tokenizer = GgufTokenizer {
         model: meta.str("tokenizer.ggml.model").unwrap_or_default(),
         tokens: meta.strings("tokenizer.ggml.tokens"),
@@ -263,7 +323,9 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         let target = rename(module).ok_or_else(|| {
             bad(
                 path,
-                format!("tensor `{name}` has no llama equivalent (unsupported GGUF layout)"),
+                format!(
+                    "tensor `{name}` has no {arch} equivalent in mlex (unsupported GGUF layout)"
+                ),
             )
         })?;
         if target == "lm_head" {
@@ -281,7 +343,12 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
             ));
         }
         let mut a = array;
-        let rotary = if module.ends_with("attn_q") {
+        // llama.cpp's converter interleaves Q and K rows for llama only;
+        // the Qwen families keep Hugging Face's layout.
+        let permuted = family == Family::Llama;
+        let rotary = if !permuted {
+            None
+        } else if module.ends_with("attn_q") {
             Some(heads)
         } else if module.ends_with("attn_k") {
             Some(kv_heads)
@@ -297,9 +364,9 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
                 ),
             ));
         }
-        if module.ends_with("attn_q") {
+        if permuted && module.ends_with("attn_q") {
             a = unpermute(&a, heads as i32)?;
-        } else if module.ends_with("attn_k") {
+        } else if permuted && module.ends_with("attn_k") {
             a = unpermute(&a, kv_heads as i32)?;
         }
         if target == "model.embed_tokens" {
@@ -326,7 +393,41 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         *counts.entry(*s).or_default() += 1;
     }
     let mut config = Map::new();
-    config.insert("model_type".into(), json!("llama"));
+    config.insert("model_type".into(), json!(family.model_type()));
+    if let Some(d) = head_dim {
+        config.insert("head_dim".into(), json!(d));
+    }
+    if family == Family::Qwen3Moe {
+        let experts = need(&k("expert_count"))?;
+        let used = need(&k("expert_used_count"))?;
+        if used > experts {
+            return Err(bad(
+                path,
+                format!(
+                    "metadata `{}` ({used}) exceeds `{}` ({experts})",
+                    k("expert_used_count"),
+                    k("expert_count")
+                ),
+            ));
+        }
+        config.insert("num_experts".into(), json!(experts));
+        config.insert("num_experts_per_tok".into(), json!(used));
+        config.insert(
+            "moe_intermediate_size".into(),
+            json!(need(&k("expert_feed_forward_length"))?),
+        );
+        config.insert("decoder_sparse_step".into(), json!(1));
+        config.insert("norm_topk_prob".into(), json!(true));
+        // Layers without a router are llama.cpp's dense ones.
+        let dense: Vec<i64> = (0..layers)
+            .filter(|i| {
+                weights
+                    .get(&format!("model.layers.{i}.mlp.gate.weight"))
+                    .is_none()
+            })
+            .collect();
+        config.insert("mlp_only_layers".into(), json!(dense));
+    }
     config.insert("hidden_size".into(), json!(hidden));
     config.insert("num_hidden_layers".into(), json!(layers));
     config.insert("intermediate_size".into(), json!(ffn));

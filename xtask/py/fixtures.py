@@ -42,6 +42,7 @@ import copy
 import importlib.metadata
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -936,6 +937,56 @@ def tiny_gpt2_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, [int(t) for t in types], merges
 
 
+SPM_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps in the sun.",
+    "A tokenizer splits text into pieces; the pieces are found in the vocabulary.",
+    "Sentence pieces mark the start of a word with a special underscore character.",
+    "Numbers like 12345 and 2026 are split too, and so is punctuation: ?!,;.",
+    "Hybrid models mix attention layers with state space layers and linear attention.",
+] * 4
+
+
+def tiny_spm_vocab() -> tuple[list[str], list[int], list[float]]:
+    """A SentencePiece-style vocabulary as llama.cpp writes one (`llama`
+    tokenizer model): <unk>, <s>, </s>, the 256 byte-fallback tokens, then
+    pieces learned by the `tokenizers` SentencePiece BPE trainer from a small
+    corpus, scored by merge rank (no merges are stored: readers recover them
+    from the scores)."""
+    from tokenizers import SentencePieceBPETokenizer
+
+    trainer = SentencePieceBPETokenizer()
+    trainer.train_from_iterator(SPM_CORPUS, vocab_size=400, min_frequency=1, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    learned = sorted(trainer.get_vocab().items(), key=lambda kv: kv[1])
+    pieces = [t for t, _ in learned if t not in ("<unk>", "<s>", "</s>")]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    assert len(set(tokens)) == len(tokens)
+    return tokens, [int(t) for t in types], scores
+
+
+SPM_TEXTS = [
+    "The quick brown fox",
+    "  leading spaces and trailing ",
+    "Grüße, 東京! naïve café 🌍",
+    "line one\nline two\tand a tab",
+    "<s> a control token in text </s>",
+    "tokenizer pieces 12345",
+]
+
+
+def write_spm_reference(gguf_file: Path, out: Path) -> None:
+    """transformers' own GGUF tokenizer (the reference) on SPM_TEXTS."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    cases = []
+    for text in SPM_TEXTS:
+        ids = tok(text)["input_ids"]
+        cases.append({"text": text, "ids": ids, "decoded": tok.decode(ids, skip_special_tokens=True)})
+    out.write_text(json.dumps({"add_bos": bool(tok.add_bos_token), "cases": cases}, indent=1))
+
+
 GGUF_TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
     "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
@@ -1036,7 +1087,7 @@ def quantize_k(x: np.ndarray, kind: str) -> np.ndarray:
     return raw
 
 
-def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind: str) -> None:
+def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind: str, vocab: str = "gpt2") -> None:
     """Write mlx-lm weights as llama.cpp would: GGUF names, q/k rows
     permuted (llama only: its converter leaves Qwen's rows alone), 2-D and
     3-D (expert) tensors in ``kind``'s type and 1-D norms in F32."""
@@ -1064,14 +1115,26 @@ def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    tokens, types, merges = tiny_gpt2_vocab(cfg["vocab_size"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
+    if vocab == "spm":
+        tokens, types, scores = tiny_spm_vocab()
+        assert len(tokens) == cfg["vocab_size"], (len(tokens), cfg["vocab_size"])
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_scores(scores)
+        writer.add_unk_token_id(0)
+    else:
+        tokens, types, merges = tiny_gpt2_vocab(cfg["vocab_size"])
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if cfg.get("rope_scaling", {}).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
 
     for name, value in weights.items():
         gname = mlx_to_gguf_name(name)
@@ -1098,6 +1161,8 @@ def dequantized_gguf_weights(path: Path, cfg: dict) -> dict[str, mx.array]:
     weights = {}
     permute = cfg["model_type"] == "llama"
     for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # becomes the config's rope_scaling, not a weight
         value = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         heads = qk_heads(t.name, cfg["num_attention_heads"], cfg["num_key_value_heads"])
         if heads is not None and permute and value.ndim == 2:
@@ -1133,15 +1198,55 @@ def check_mlx_reads_gguf(path: Path, dequantized: dict[str, mx.array], cfg: dict
 GGUF_FAMILY_CONFIGS = {"qwen2": qwen2_config, "qwen3": qwen3_config, "qwen3_moe": qwen3_moe_config}
 
 
-def make_gguf_fixture(out: Path, kind: str, family: str = "llama") -> dict:
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so that the tiny head's 8 frequencies fall in all three bands.
+    "original_max_position_embeddings": 64,
+}
+
+
+def llama3_rope_factors(cfg: dict) -> np.ndarray:
+    """`rope_freqs.weight` as llama.cpp's converter derives it from a llama3
+    `rope_scaling` (the angle of pair i is divided by factor i)."""
+    sc = cfg["rope_scaling"]
+    base = cfg["rope_theta"]
+    dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    inv = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+    old = sc["original_max_position_embeddings"]
+    out = []
+    for f in inv:
+        wav = 2 * math.pi / f
+        if wav < old / high:
+            out.append(1.0)
+        elif wav > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wav - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def make_gguf_fixture(out: Path, kind: str, family: str = "llama", vocab: str = "gpt2", rope: str = "default") -> dict:
     """A tiny GGUF of ``family`` (llama.cpp's names and layout), its
     dequantized float32 twin in MLX layout (the reference), and the logit
     distance of mlx-lm on mx.load's tensors."""
     name = f"gguf-{kind}" if family == "llama" else f"gguf-{family}-{kind}"
+    if vocab != "gpt2":
+        name = f"gguf-{family}-{vocab}-{kind}"
+    if rope != "default":
+        name = f"gguf-{family}-{rope}-{kind}"
     if family == "llama":
         cfg = llama_config(K_DIMS if kind in K_QUANTS else TINY, tie=False)
     else:
         cfg = GGUF_FAMILY_CONFIGS[family]()
+    if vocab == "spm":
+        cfg["vocab_size"] = len(tiny_spm_vocab()[0])
+    if rope == "llama3":
+        cfg["rope_scaling"] = dict(LLAMA3_ROPE)
     cfg["rms_norm_eps"] = 1e-5
     model = random_model(cfg, seed_for(f"gguf_{family}"))
     params = get_total_parameters(model)
@@ -1149,13 +1254,15 @@ def make_gguf_fixture(out: Path, kind: str, family: str = "llama") -> dict:
 
     path = reset_dir(out / name)
     gguf_file = path / "model.gguf"
-    write_llama_gguf(gguf_file, cfg, weights, kind)
+    write_llama_gguf(gguf_file, cfg, weights, kind, vocab)
+    if vocab == "spm":
+        write_spm_reference(gguf_file, path / "tokenizer_reference.json")
 
     quant = {"bits": int(kind[1]), "group_size": 32} if kind.startswith("q") and kind != "q6_k" else None
     dequantized = dequantized_gguf_weights(gguf_file, cfg)
     if kind == "f32" and any(not np.array_equal(weights[k], dequantized[k]) for k in weights):
         raise RuntimeError(f"{gguf_file}: names or q/k permutation do not round-trip")
-    mlx_readable = kind not in K_QUANTS and family == "llama"
+    mlx_readable = kind not in K_QUANTS and family == "llama" and vocab == "gpt2" and rope == "default"
     if mlx_readable:
         # mx.load reads Q4_K and Q6_K only as float16 and fails on Q5_K, and
         # the export below knows only llama: mlex reads GGUF itself.
@@ -1363,6 +1470,8 @@ def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
         Fixture(f"gguf-{fam}-q8_0", lambda out, fam=fam: [make_gguf_fixture(out, "q8_0", fam)])
         for fam in GGUF_FAMILY_CONFIGS
     ]
+    fixtures.append(Fixture("gguf-llama-spm-q8_0", lambda out: [make_gguf_fixture(out, "q8_0", "llama", "spm")]))
+    fixtures.append(Fixture("gguf-llama-llama3-f32", lambda out: [make_gguf_fixture(out, "f32", "llama", rope="llama3")]))
     if smollm2_gguf is not None:
         fixtures.append(Fixture("smollm2-export", lambda out: make_smollm2_fixtures(out, smollm2_gguf)))
         fixtures.append(Fixture("qwen3-chat", lambda out: make_chat_fixture(out, smollm2_gguf)))

@@ -79,6 +79,30 @@ DIMS = {
         mamba_groups=8,
         ssm_state=128,
     ),
+    # Wide enough that the CPU's products, not its per-op overhead, set the
+    # pace: the CPU BLAS comparison in docs/BENCHMARKS.md.
+    "small": dict(
+        hidden=512,
+        intermediate=1536,
+        layers=8,
+        heads=8,
+        kv_heads=4,
+        head_dim=64,
+        vocab=8192,
+        lin_v_heads=8,
+        lin_k_heads=4,
+        lin_k_dim=64,
+        lin_v_dim=64,
+        nh_vocab=8192,
+        nh_intermediate=1536,
+        nh_heads=8,
+        nh_kv_heads=4,
+        nh_head_dim=64,
+        mamba_heads=8,
+        mamba_head_dim=64,
+        mamba_groups=2,
+        ssm_state=64,
+    ),
     # Small enough that the whole default sweep runs in minutes on a 2-core
     # CPU (MLX's CPU quantized matmul is slow), every quantized input width
     # still a multiple of the group size 64.

@@ -1,7 +1,10 @@
 //! Tokenizers: Hugging Face `tokenizer.json` (with `tokenizer_config.json`,
 //! `generation_config.json` and `chat_template.jinja` beside it), or one
-//! built from a GGUF file's metadata (byte-level BPE: tokens, merges and
-//! token types; control tokens become special tokens).
+//! built from a GGUF file's metadata: byte-level BPE (`gpt2`: tokens, merges
+//! and token types) or SentencePiece BPE (`llama`: tokens, scores and token
+//! types, built as transformers' GGUF loader builds it: merges recovered
+//! from the scores, byte fallback, `▁` for spaces). Control tokens become
+//! special tokens.
 
 use crate::chat::ChatTemplate;
 use mlex_core::error::{Error, Result};
@@ -11,8 +14,56 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
+use tokenizers::decoders::byte_fallback::ByteFallback;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::normalizers::replace::Replace;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::AddedToken;
+
+/// The merges a SentencePiece vocabulary implies, as transformers'
+/// `generate_merges` recovers them: every split of a token into two tokens
+/// of the vocabulary, ranked by the whole token's score (highest first),
+/// then by the lengths of the halves; ties keep vocabulary order.
+fn merges_from_scores(tokens: &[String], scores: &[f32]) -> Result<Vec<(String, String)>> {
+    if scores.len() != tokens.len() {
+        return Err(Error::Other(format!(
+            "the GGUF SentencePiece vocabulary has {} tokens but {} scores (tokenizer.ggml.scores)",
+            tokens.len(),
+            scores.len()
+        )));
+    }
+    let index: std::collections::HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    let mut merges: Vec<(usize, usize, f32, usize, usize)> = Vec::new();
+    for (token, &score) in tokens.iter().zip(scores) {
+        let mut local = Vec::new();
+        for (at, _) in token.char_indices().skip(1) {
+            let (l, r) = token.split_at(at);
+            if let (Some(&li), Some(&ri)) = (index.get(l), index.get(r)) {
+                local.push((li, ri, score, l.chars().count(), r.chars().count()));
+            }
+        }
+        local.sort_by_key(|m| (m.0, m.1));
+        merges.extend(local);
+    }
+    // Stable, descending: equal keys keep their order (Python's
+    // `sorted(..., reverse=True)` does the same).
+    merges.sort_by(|a, b| {
+        (b.2, b.3, b.4)
+            .partial_cmp(&(a.2, a.3, a.4))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    Ok(merges
+        .into_iter()
+        .map(|(l, r, ..)| (tokens[l].clone(), tokens[r].clone()))
+        .collect())
+}
 
 /// A tokenizer with what generation needs around it.
 pub struct Tokenizer {
@@ -152,9 +203,9 @@ impl Tokenizer {
 
     /// Builds a byte-level BPE tokenizer from GGUF metadata.
     pub fn from_gguf(g: &GgufTokenizer) -> Result<Self> {
-        if g.model != "gpt2" {
+        if g.model != "gpt2" && g.model != "llama" {
             return Err(Error::Other(format!(
-                "GGUF tokenizer model `{}` is not supported (byte-level BPE `gpt2` is); pass a model directory with tokenizer.json",
+                "GGUF tokenizer model `{}` is not supported (byte-level BPE `gpt2` and SentencePiece `llama` are); pass a model directory with tokenizer.json",
                 g.model
             )));
         }
@@ -169,18 +220,47 @@ impl Tokenizer {
             .enumerate()
             .map(|(i, t)| (t.clone(), i as u32))
             .collect();
-        let merges: Vec<(String, String)> = g
-            .merges
-            .iter()
-            .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| tok_err("building BPE from GGUF", e))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
-        inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
-        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        let sentencepiece = g.model == "llama";
+        let merges: Vec<(String, String)> = if sentencepiece && g.merges.is_empty() {
+            merges_from_scores(&g.tokens, &g.scores)?
+        } else {
+            g.merges
+                .iter()
+                .filter_map(|m| m.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
+                .collect()
+        };
+        let mut inner = if sentencepiece {
+            let mut b = BPE::builder()
+                .vocab_and_merges(vocab, merges)
+                .fuse_unk(true)
+                .byte_fallback(true);
+            if g.tokens.iter().any(|t| t == "<unk>") {
+                b = b.unk_token("<unk>".into());
+            }
+            let mut t = tokenizers::Tokenizer::new(
+                b.build()
+                    .map_err(|e| tok_err("building SentencePiece BPE from GGUF", e))?,
+            );
+            t.with_pre_tokenizer(Some(Metaspace::new('▁', PrependScheme::First, false)));
+            t.with_decoder(Some(DecoderSequence::new(vec![
+                Replace::new("▁", " ")
+                    .map_err(|e| tok_err("decoder", e))?
+                    .into(),
+                ByteFallback::default().into(),
+                Fuse::default().into(),
+                Strip::new(' ', 1, 0).into(),
+            ])));
+            t
+        } else {
+            let bpe = BPE::builder()
+                .vocab_and_merges(vocab, merges)
+                .build()
+                .map_err(|e| tok_err("building BPE from GGUF", e))?;
+            let mut t = tokenizers::Tokenizer::new(bpe);
+            t.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+            t.with_decoder(Some(ByteLevelDecoder::default()));
+            t
+        };
         // Control (3) and user-defined (4) tokens match as whole tokens.
         let special: Vec<AddedToken> = g
             .tokens
@@ -207,7 +287,9 @@ impl Tokenizer {
             inner,
             eos_ids: g.eos.into_iter().collect(),
             bos_id: g.bos,
-            add_bos: g.add_bos.unwrap_or(false),
+            // llama.cpp adds BOS to a SentencePiece vocabulary that does not
+            // say otherwise.
+            add_bos: g.add_bos.unwrap_or(sentencepiece),
             chat_template,
         };
         t.add_template_stop_tokens();

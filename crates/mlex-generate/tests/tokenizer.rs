@@ -137,3 +137,39 @@ fn a_broken_chat_template_names_its_file() {
         "{e}"
     );
 }
+
+/// A SentencePiece GGUF vocabulary (`tokenizer.ggml.model = llama`, scores
+/// and no merges) tokenizes as transformers' GGUF loader does: ids and
+/// decoded text recorded by `xtask/py/fixtures.py` from transformers itself.
+#[test]
+fn a_sentencepiece_gguf_vocabulary_tokenizes_as_transformers_does() {
+    let f = fixture("gguf-llama-spm-q8_0");
+    let g = mlex_models::gguf::load(&path_of(&f)).unwrap();
+    assert_eq!(g.tokenizer.model, "llama");
+    let tok = Tokenizer::from_gguf(&g.tokenizer).unwrap();
+    let dir = path_of(&f);
+    let dir = dir.parent().unwrap();
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("tokenizer_reference.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(tok.add_bos, reference["add_bos"].as_bool().unwrap());
+    let cases = reference["cases"].as_array().unwrap();
+    assert!(cases.len() >= 5);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let got = tok.encode(text, tok.add_bos).unwrap();
+        assert_eq!(got, want, "ids of {text:?}");
+        assert_eq!(
+            tok.decode(&got).unwrap(),
+            case["decoded"].as_str().unwrap(),
+            "decoding {text:?}"
+        );
+    }
+}

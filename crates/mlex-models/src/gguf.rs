@@ -31,6 +31,8 @@ pub struct GgufTokenizer {
     pub merges: Vec<String>,
     /// Per-token types (1 normal, 3 control, ...).
     pub token_types: Vec<i32>,
+    /// Per-token scores (SentencePiece vocabularies rank merges by them).
+    pub scores: Vec<f32>,
     /// Beginning-of-sequence id.
     pub bos: Option<u32>,
     /// End-of-sequence id.
@@ -110,6 +112,21 @@ impl Meta<'_> {
                         .ok_or_else(|| {
                             bad(self.path, format!("metadata `{key}` holds a non-integer"))
                         })
+                })
+                .collect(),
+            Some(_) => Err(bad(self.path, format!("metadata `{key}` is not an array"))),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    fn floats(&self, key: &str) -> Result<Vec<f32>> {
+        match self.meta.get(key) {
+            Some(MetaValue::Array(v)) => v
+                .iter()
+                .map(|x| {
+                    x.as_f64().map(|f| f as f32).ok_or_else(|| {
+                        bad(self.path, format!("metadata `{key}` holds a non-number"))
+                    })
                 })
                 .collect(),
             Some(_) => Err(bad(self.path, format!("metadata `{key}` is not an array"))),
@@ -286,6 +303,7 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         tokens: meta.strings("tokenizer.ggml.tokens"),
         merges: meta.strings("tokenizer.ggml.merges"),
         token_types: meta.ints("tokenizer.ggml.token_type")?,
+        scores: meta.floats("tokenizer.ggml.scores")?,
         bos: meta.i64("tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
         eos: meta.i64("tokenizer.ggml.eos_token_id")?.map(|v| v as u32),
         add_bos: meta.i64("tokenizer.ggml.add_bos_token")?.map(|v| v != 0),
@@ -316,7 +334,24 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     let mut quant: BTreeMap<String, (i32, i32)> = BTreeMap::new();
     let mut vocab = 0;
     let mut tied = true;
+    let mut rope_factors: Option<Vec<f32>> = None;
     for (name, array) in raw {
+        if name == "rope_freqs.weight" {
+            // Llama 3.1+: llama.cpp stores the RoPE frequency factors it
+            // derived from `rope_scaling` instead of the scaling itself.
+            let f = array
+                .as_dtype(mlx_rs::Dtype::Float32)
+                .and_then(|a| {
+                    a.eval()?;
+                    Ok(a.as_slice::<f32>().to_vec())
+                })
+                .map_err(|e| bad(path, format!("tensor `{name}`: {e}")))?;
+            if f.iter().any(|v| !v.is_finite() || *v <= 0.0) {
+                return Err(bad(path, format!("tensor `{name}` holds a factor that is not a positive number")));
+            }
+            rope_factors = Some(f);
+            continue;
+        }
         let (module, suffix) = name
             .rsplit_once('.')
             .ok_or_else(|| bad(path, format!("unexpected tensor `{name}`")))?;
@@ -437,6 +472,12 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     config.insert("rope_theta".into(), json!(theta));
     config.insert("vocab_size".into(), json!(vocab));
     config.insert("tie_word_embeddings".into(), json!(tied));
+    if let Some(f) = rope_factors {
+        config.insert(
+            "rope_scaling".into(),
+            json!({"rope_type": "freq_factors", "factors": f}),
+        );
+    }
     if let Some(c) = context {
         config.insert("max_position_embeddings".into(), json!(c));
     }

@@ -1,5 +1,6 @@
 //! Rotary position embedding variants, as mlx-lm's `initialize_rope`:
-//! `default`/`linear` (MLX's `fast.rope` with a position scale), `llama3`
+//! `default`/`linear` (MLX's `fast.rope` with a position scale), `freq_factors`
+//! (a GGUF's `rope_freqs` tensor, per-pair period factors), `llama3`
 //! (custom frequencies), and `mrope` on text-only input (plain RoPE).
 
 use mlex_core::config::ModelConfig;
@@ -126,11 +127,40 @@ impl Rope {
                     .collect();
                 rope.freqs = Some(freqs);
             }
+            "freq_factors" => {
+                // From a GGUF's `rope_freqs` tensor: each rotated pair's
+                // period is stretched by its factor (llama.cpp divides the
+                // angle by it).
+                let factors: Vec<f64> = sc
+                    .get("factors")
+                    .and_then(Value::as_array)
+                    .map(|v| v.iter().filter_map(Value::as_f64).collect())
+                    .ok_or_else(|| {
+                        cfg.error("rope_scaling.factors", "missing for freq_factors RoPE")
+                    })?;
+                if factors.len() != (dims as usize).div_ceil(2) {
+                    return Err(cfg.error(
+                        "rope_scaling.factors",
+                        format!(
+                            "{} factors for {dims} rotated dims (expected {})",
+                            factors.len(),
+                            (dims as usize).div_ceil(2)
+                        ),
+                    ));
+                }
+                rope.freqs = Some(
+                    (0..dims)
+                        .step_by(2)
+                        .zip(&factors)
+                        .map(|(i, f)| ((base as f64).powf(i as f64 / dims as f64) * f) as f32)
+                        .collect(),
+                );
+            }
             other => {
                 return Err(cfg.error(
                     "rope_scaling.type",
                     format!(
-                        "RoPE scaling `{other}` is not supported (default, linear, llama3, mrope)"
+                        "RoPE scaling `{other}` is not supported (default, linear, llama3, mrope, freq_factors)"
                     ),
                 ))
             }

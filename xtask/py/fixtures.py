@@ -976,15 +976,25 @@ SPM_TEXTS = [
 
 
 def write_spm_reference(gguf_file: Path, out: Path) -> None:
-    """transformers' own GGUF tokenizer (the reference) on SPM_TEXTS."""
-    from transformers import AutoTokenizer
+    """transformers' own GGUF tokenizer builder (the reference) on SPM_TEXTS.
+    Its file reader needs torch, so the metadata comes from the gguf package
+    and goes through transformers' key mapping and `convert_gguf_tokenizer`."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    reader = gguf.GGUFReader(str(gguf_file))
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    tokenizer_dict = {
+        name: meta[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in meta
+    }
+    backend, _ = convert_gguf_tokenizer(meta["general.architecture"], tokenizer_dict)
+    # transformers' default for a sentencepiece GGUF that has no flag: BOS on.
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+    bos = meta["tokenizer.ggml.bos_token_id"]
     cases = []
     for text in SPM_TEXTS:
-        ids = tok(text)["input_ids"]
-        cases.append({"text": text, "ids": ids, "decoded": tok.decode(ids, skip_special_tokens=True)})
-    out.write_text(json.dumps({"add_bos": bool(tok.add_bos_token), "cases": cases}, indent=1))
+        ids = ([bos] if add_bos else []) + backend.encode(text, add_special_tokens=False).ids
+        cases.append({"text": text, "ids": ids, "decoded": backend.decode(ids, skip_special_tokens=True)})
+    out.write_text(json.dumps({"add_bos": add_bos, "cases": cases}, indent=1, ensure_ascii=False))
 
 
 GGUF_TYPES = {

@@ -347,7 +347,10 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
                 })
                 .map_err(|e| bad(path, format!("tensor `{name}`: {e}")))?;
             if f.iter().any(|v| !v.is_finite() || *v <= 0.0) {
-                return Err(bad(path, format!("tensor `{name}` holds a factor that is not a positive number")));
+                return Err(bad(
+                    path,
+                    format!("tensor `{name}` holds a factor that is not a positive number"),
+                ));
             }
             rope_factors = Some(f);
             continue;

@@ -38,11 +38,12 @@ pub fn cuda_bundle(args: &[String]) -> Result<PathBuf> {
     std::fs::create_dir_all(&out)?;
     std::fs::copy(release.join("mlex"), out.join("mlex"))?;
     copy_dir(&release.join("mlx"), &out.join("cpu-runtime/mlx"))?;
-    if release.join("mlx_cpu.libs").is_dir() {
-        copy_dir(
-            &release.join("mlx_cpu.libs"),
-            &out.join("cpu-runtime/mlx_cpu.libs"),
-        )?;
+    // The wheel's own BLAS, not the staged OpenBLAS: that one needs the
+    // build machine's libopenblas.so.0, which a GPU machine need not have
+    // (there MLX's products run on the GPU anyway).
+    let wheel_libs = setup::native_dir().join("mlx_cpu.libs");
+    if wheel_libs.is_dir() {
+        copy_dir(&wheel_libs, &out.join("cpu-runtime/mlx_cpu.libs"))?;
     }
     // The binary looks for its CPU runtime in $ORIGIN/mlx/lib.
     #[cfg(unix)]

@@ -261,7 +261,11 @@ fn stage_runtime(native: &Path, mlx_dir: &Path) {
     // here (unless MLEX_BLAS=reference); they take the place of the wheel's
     // reference BLAS/LAPACK under the names libmlx was linked against.
     let blas = native.join("blas");
-    println!("cargo:rerun-if-changed={}", blas.display());
+    // A missing path would rerun this script on every build; setup always
+    // makes the folder on Linux (empty with MLEX_BLAS=reference).
+    if blas.is_dir() {
+        println!("cargo:rerun-if-changed={}", blas.display());
+    }
     if libs.is_dir() {
         let dest = profile_dir.join("mlx_cpu.libs");
         fs::create_dir_all(&dest).unwrap();

@@ -129,9 +129,12 @@ fn demo(args: &[String]) -> Result<()> {
     eprintln!("xtask: building mlex (release)");
     cargo(&["build", "--release", "-p", "mlex-cli"])?;
     eprintln!("xtask: asking SmolLM2-135M-Instruct: {prompt}");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("target"));
+    // cargo ran in the workspace root: a relative target dir is from there.
+    let target = workspace_root().join(
+        std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("target")),
+    );
     let mlex = target.join("release/mlex");
     let status = Command::new(&mlex)
         .args(["generate", "--model"])

@@ -129,9 +129,18 @@ const BLAS_LIBS: [&str; 2] = ["libblas.so.3", "liblapack.so.3"];
 /// tok/s); `MLEX_BLAS=reference` removes them.
 fn install_blas(native: &Path) -> Result<()> {
     let dest = native.join("blas");
+    if !cfg!(target_os = "linux") {
+        return Ok(());
+    }
+    // The folder stays (empty for the reference BLAS): the mlx-sys build
+    // watches it.
+    fs::create_dir_all(&dest)?;
     if BlasChoice::from_env()? == BlasChoice::Reference {
-        if dest.exists() {
-            fs::remove_dir_all(&dest)?;
+        let mut removed = false;
+        for lib in BLAS_LIBS {
+            removed |= fs::remove_file(dest.join(lib)).is_ok();
+        }
+        if removed {
             eprintln!(
                 "xtask: MLEX_BLAS=reference: the CPU runtime uses the wheel's reference BLAS"
             );
@@ -139,18 +148,21 @@ fn install_blas(native: &Path) -> Result<()> {
         return Ok(());
     }
     let src = openblas_dir();
-    fs::create_dir_all(&dest)?;
     for lib in BLAS_LIBS {
         let from = src.join(lib);
         let to = dest.join(lib);
-        let same = match (fs::metadata(&from), fs::metadata(&to)) {
-            (Ok(a), Ok(b)) => a.len() == b.len(),
+        let same = match (download::sha256_file(&from), download::sha256_file(&to)) {
+            (Ok(a), Ok(b)) => a == b,
             _ => false,
         };
         if !same {
-            fs::copy(&from, &to).with_context(|| {
+            // Beside, then renamed: the old file is hard-linked into the
+            // staged runtimes, which running processes may have mapped.
+            let tmp = to.with_extension(format!("tmp.{}", std::process::id()));
+            fs::copy(&from, &tmp).with_context(|| {
                 format!("copying {} (from libopenblas0-pthread)", from.display())
             })?;
+            fs::rename(&tmp, &to)?;
         }
     }
     Ok(())

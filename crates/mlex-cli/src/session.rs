@@ -98,14 +98,15 @@ fn dense_weights(form: crate::args::WeightForm, model: &mlex_core::model::Model)
                     let module = n.strip_suffix(".weight").unwrap_or(n);
                     let per_element = match model.quantization.for_module(module) {
                         Some(q) if names.contains(format!("{module}.scales").as_str()) => {
-                            32 / q.bits.max(1) as u64
+                            32.0 / f64::from(q.bits.max(1))
                         }
-                        _ => 1,
+                        _ => 1.0,
                     };
-                    a.size() as u64 * per_element * 4
+                    a.size() as f64 * per_element * 4.0
                 })
-                .sum();
-            dense_bytes <= physical_memory() / 4
+                .sum::<f64>() as u64;
+            // Packed and dense copies coexist while dequantizing.
+            dense_bytes + model.params.nbytes() as u64 <= physical_memory() / 4
         }
     })
 }

@@ -424,6 +424,9 @@ fn inspect_gives_each_gguf_tensor_group_its_file_type_and_what_it_became() {
 
 fn greedy_ids(model: &std::ffi::OsStr, envs: &[(&str, &std::ffi::OsStr)]) -> Vec<u64> {
     let mut c = mlex();
+    c.env_remove("HF_HUB_CACHE")
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_OFFLINE");
     for (k, v) in envs {
         c.env(k, v);
     }

@@ -27,7 +27,10 @@ use tokenizers::AddedToken;
 /// `generate_merges` recovers them: every split of a token into two tokens
 /// of the vocabulary, ranked by the whole token's score (highest first),
 /// then by the lengths of the halves; ties keep vocabulary order.
-fn merges_from_scores(tokens: &[String], scores: &[f32]) -> Result<Vec<(String, String)>> {
+pub(crate) fn merges_from_scores(
+    tokens: &[String],
+    scores: &[f32],
+) -> Result<Vec<(String, String)>> {
     if scores.len() != tokens.len() {
         return Err(Error::Other(format!(
             "the GGUF SentencePiece vocabulary has {} tokens but {} scores (tokenizer.ggml.scores)",
@@ -35,13 +38,26 @@ fn merges_from_scores(tokens: &[String], scores: &[f32]) -> Result<Vec<(String, 
             scores.len()
         )));
     }
+    if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
+        return Err(Error::Other(format!(
+            "the GGUF SentencePiece vocabulary's score of token {i} is {} (tokenizer.ggml.scores)",
+            scores[i]
+        )));
+    }
+    // As Python's dicts: a token's id is its last position; it is visited
+    // once, at its first position, with its last score.
     let index: std::collections::HashMap<&str, usize> = tokens
         .iter()
         .enumerate()
         .map(|(i, t)| (t.as_str(), i))
         .collect();
+    let mut visited = std::collections::HashSet::new();
     let mut merges: Vec<(usize, usize, f32, usize, usize)> = Vec::new();
-    for (token, &score) in tokens.iter().zip(scores) {
+    for token in tokens {
+        if !visited.insert(token.as_str()) {
+            continue;
+        }
+        let score = scores[index[token.as_str()]];
         let mut local = Vec::new();
         for (at, _) in token.char_indices().skip(1) {
             let (l, r) = token.split_at(at);
@@ -54,11 +70,7 @@ fn merges_from_scores(tokens: &[String], scores: &[f32]) -> Result<Vec<(String, 
     }
     // Stable, descending: equal keys keep their order (Python's
     // `sorted(..., reverse=True)` does the same).
-    merges.sort_by(|a, b| {
-        (b.2, b.3, b.4)
-            .partial_cmp(&(a.2, a.3, a.4))
-            .unwrap_or(std::cmp::Ordering::Equal)
-    });
+    merges.sort_by(|a, b| b.2.total_cmp(&a.2).then(b.3.cmp(&a.3)).then(b.4.cmp(&a.4)));
     Ok(merges
         .into_iter()
         .map(|(l, r, ..)| (tokens[l].clone(), tokens[r].clone()))
@@ -373,5 +385,37 @@ impl Tokenizer {
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merges_from_scores;
+
+    fn v(s: &[&str]) -> Vec<String> {
+        s.iter().map(|x| x.to_string()).collect()
+    }
+
+    /// Worked by hand from transformers' `generate_merges`: "ab" (score 2)
+    /// splits as a+b; "abc" (score 2, a tie with "ab") splits as a+bc
+    /// (ids 0, 4) and ab+c (ids 3, 2), sorted by ids; "bc" (score 1) as b+c.
+    /// Sorted by (score, len left, len right) descending, ties stable:
+    /// (ab+c: 2,2,1), (a+bc: 2,1,2), (a+b: 2,1,1), (b+c: 1,1,1).
+    #[test]
+    fn merges_follow_the_score_then_the_lengths_and_keep_ties_in_order() {
+        let tokens = v(&["a", "b", "c", "ab", "bc", "abc"]);
+        let scores = [0.0, 0.0, 0.0, 2.0, 1.0, 2.0];
+        let m = merges_from_scores(&tokens, &scores).unwrap();
+        let m: Vec<(&str, &str)> = m.iter().map(|(l, r)| (l.as_str(), r.as_str())).collect();
+        assert_eq!(m, [("ab", "c"), ("a", "bc"), ("a", "b"), ("b", "c")]);
+    }
+
+    #[test]
+    fn non_finite_scores_and_a_short_score_list_are_errors() {
+        let tokens = v(&["a", "b", "ab"]);
+        let e = merges_from_scores(&tokens, &[0.0, f32::NAN, 1.0]).unwrap_err();
+        assert!(e.to_string().contains("score of token 1"), "{e}");
+        let e = merges_from_scores(&tokens, &[0.0, 1.0]).unwrap_err();
+        assert!(e.to_string().contains("3 tokens but 2 scores"), "{e}");
     }
 }

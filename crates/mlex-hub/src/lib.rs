@@ -286,14 +286,16 @@ fn snapshot_dir(cfg: &HubConfig, spec: &HubSpec) -> PathBuf {
 }
 
 /// A cached snapshot that needs no download: a GGUF asked for (or the only
-/// one), or a directory whose config and every weight file are present.
+/// one), or a directory with `config.json` and every shard its index names.
+/// A download fetches `config.json` last, so a snapshot that has it is
+/// complete.
 fn cached(cfg: &HubConfig, spec: &HubSpec) -> Option<Fetched> {
     let snap = snapshot_dir(cfg, spec);
-    let listing: Vec<String> = std::fs::read_dir(&snap)
-        .ok()?
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
+    let mut listing = Vec::new();
+    list_files(&snap, "", 0, &mut listing);
+    if listing.is_empty() {
+        return None;
+    }
     match select_files(spec, &listing).ok()? {
         Selection::Gguf(f) => Some(Fetched {
             path: snap.join(f),
@@ -316,6 +318,26 @@ fn cached(cfg: &HubConfig, spec: &HubSpec) -> Option<Fetched> {
                 is_gguf: false,
                 origin: Origin::Cache,
             })
+        }
+    }
+}
+
+/// The files under `dir` as repo paths (`Q4_K_M/x.gguf`), two levels deep.
+fn list_files(dir: &Path, prefix: &str, depth: usize, out: &mut Vec<String>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let Ok(name) = e.file_name().into_string() else {
+            continue;
+        };
+        let path = e.path();
+        if path.is_dir() {
+            if depth < 2 {
+                list_files(&path, &format!("{prefix}{name}/"), depth + 1, out);
+            }
+        } else {
+            out.push(format!("{prefix}{name}"));
         }
     }
 }
@@ -363,12 +385,23 @@ pub fn fetch(spec: &HubSpec, cfg: &HubConfig) -> Result<Fetched> {
         spec.revision.clone(),
     ));
     let info = repo.info().map_err(|e| api_err(spec, None, cfg, e))?;
+    let commit = info.sha.clone();
     let listing: Vec<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
     let selection = select_files(spec, &listing).map_err(|m| hub_err(spec, None, m))?;
-    let files = match &selection {
+    let mut files = match &selection {
         Selection::Dir(f) => f.clone(),
         Selection::Gguf(f) => vec![f.clone()],
     };
+    // `config.json` last: a run cut off midway leaves a snapshot without
+    // it, which `cached` does not take for a complete one.
+    files.sort_by_key(|f| f == "config.json");
+    // Every file from the commit the listing came from, even if the
+    // branch moves meanwhile: one snapshot, not a mix.
+    let repo = api.repo(hf_hub::Repo::with_revision(
+        spec.repo.clone(),
+        hf_hub::RepoType::Model,
+        commit.clone(),
+    ));
     let mut last = None;
     for f in &files {
         let pointer = repo.get(f).map_err(|e| api_err(spec, Some(f), cfg, e))?;
@@ -376,6 +409,7 @@ pub fn fetch(spec: &HubSpec, cfg: &HubConfig) -> Result<Fetched> {
         last = Some(pointer);
     }
     let pointer = last.expect("a selection names at least one file");
+    write_ref(cfg, spec, &commit)?;
     Ok(match selection {
         Selection::Gguf(_) => Fetched {
             path: pointer,
@@ -391,6 +425,24 @@ pub fn fetch(spec: &HubSpec, cfg: &HubConfig) -> Result<Fetched> {
             origin: Origin::Downloaded,
         },
     })
+}
+
+/// Points `refs/<revision>` at `commit` (temporary file, then rename), as
+/// `huggingface_hub` does, so the next lookup finds the snapshot offline.
+fn write_ref(cfg: &HubConfig, spec: &HubSpec, commit: &str) -> Result<()> {
+    if spec.revision == commit {
+        return Ok(());
+    }
+    let refs = cfg
+        .cache_dir
+        .join(format!("models--{}", spec.repo.replace('/', "--")))
+        .join("refs");
+    let path = refs.join(&spec.revision);
+    let parent = path.parent().unwrap_or(&refs).to_path_buf();
+    std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, e))?;
+    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+    std::fs::write(&tmp, commit).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))
 }
 
 /// Checks a blob named by a sha256 ETag (the Hub's LFS files) against its
@@ -474,12 +526,12 @@ fn api_err(
     };
     let message = match status {
         Some(401) | Some(403) => format!(
-            "HTTP {}: the repo is gated or private, or the token lacks access; {} (tokens: https://huggingface.co/settings/tokens)",
+            "HTTP {}: no such repo, or it is gated or private and the token lacks access (the Hub answers all three alike); check the name, and {} (tokens: https://huggingface.co/settings/tokens)",
             status.unwrap_or(401),
             if cfg.token.is_some() {
-                "the token in HF_TOKEN (or the cached token file) was refused"
+                "note that the token in HF_TOKEN (or the cached token file) was refused"
             } else {
-                "set HF_TOKEN to a token with access"
+                "for a gated repo set HF_TOKEN to a token with access"
             }
         ),
         Some(404) => format!(

@@ -141,16 +141,21 @@ impl Meta<'_> {
         }
     }
 
-    fn strings(&self, key: &str) -> Vec<String> {
+    fn strings(&self, key: &str) -> Result<Vec<String>> {
         match self.meta.get(key) {
+            // A dropped element would shift every later token id.
             Some(MetaValue::Array(v)) => v
                 .iter()
-                .filter_map(|x| match x {
-                    MetaValue::Str(s) => Some(s.clone()),
-                    _ => None,
+                .map(|x| match x {
+                    MetaValue::Str(s) => Ok(s.clone()),
+                    _ => Err(bad(
+                        self.path,
+                        format!("metadata `{key}` holds a non-string"),
+                    )),
                 })
                 .collect(),
-            _ => Vec::new(),
+            Some(_) => Err(bad(self.path, format!("metadata `{key}` is not an array"))),
+            None => Ok(Vec::new()),
         }
     }
 }
@@ -300,8 +305,8 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     let context = meta.i64(&k("context_length"))?;
     let tokenizer = GgufTokenizer {
         model: meta.str("tokenizer.ggml.model").unwrap_or_default(),
-        tokens: meta.strings("tokenizer.ggml.tokens"),
-        merges: meta.strings("tokenizer.ggml.merges"),
+        tokens: meta.strings("tokenizer.ggml.tokens")?,
+        merges: meta.strings("tokenizer.ggml.merges")?,
         token_types: meta.ints("tokenizer.ggml.token_type")?,
         scores: meta.floats("tokenizer.ggml.scores")?,
         bos: meta.i64("tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
@@ -422,9 +427,9 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
             .ok_or_else(|| bad(path, format!("{module} has scales but no weight")))?;
         let s = weights.get(&format!("{module}.scales")).expect("present");
         let group = 32;
-        let in_features = s.shape()[s.ndim() - 1] * group;
-        let packed = w.shape()[w.ndim() - 1];
-        *spec = (packed * 32 / in_features, group);
+        let in_features = i64::from(s.shape()[s.ndim() - 1]) * i64::from(group);
+        let packed = i64::from(w.shape()[w.ndim() - 1]);
+        *spec = ((packed * 32 / in_features.max(1)) as i32, group);
     }
     let mut counts: BTreeMap<(i32, i32), usize> = BTreeMap::new();
     for s in quant.values() {

@@ -167,6 +167,10 @@ fn bad(path: &Path, message: impl Into<String>) -> Error {
     }
 }
 
+/// The longest metadata array read: vocabularies and merge lists run to a
+/// few hundred thousand entries; each element costs 32 bytes in memory.
+const MAX_ARRAY: u64 = 1 << 22;
+
 struct Reader<'a, R> {
     r: R,
     pos: u64,
@@ -229,10 +233,12 @@ impl<R: Read> Reader<'_, R> {
                 let n = self.u64()?;
                 // Every element takes at least a byte: a count past the
                 // file's end is a crafted header, not an allocation to try.
-                if n > self.len.saturating_sub(self.pos) {
+                if n > self.len.saturating_sub(self.pos) || n > MAX_ARRAY {
                     return Err(bad(
                         self.path,
-                        format!("a metadata array claims {n} elements, more than the file holds"),
+                        format!(
+                            "a metadata array claims {n} elements (more than the file holds, or over {MAX_ARRAY})"
+                        ),
                     ));
                 }
                 let mut v = Vec::new();
@@ -329,10 +335,19 @@ pub fn read_header(path: &Path) -> Result<GgufHeader> {
         let bytes = (elems / per)
             .checked_mul(size)
             .ok_or_else(|| bad(path, format!("tensor `{name}`: its size overflows 64 bits")))?;
-        if dims.iter().any(|&d| d > i32::MAX as u64) {
+        if dims.contains(&0) {
             return Err(bad(
                 path,
-                format!("tensor `{name}`: a dimension exceeds 2^31"),
+                format!("tensor `{name}` has an empty dimension {dims:?}"),
+            ));
+        }
+        // MLX indexes arrays with 32-bit sizes.
+        if elems > i32::MAX as u64 {
+            return Err(bad(
+                path,
+                format!(
+                    "tensor `{name}` has {elems} elements; mlex reads tensors of at most 2^31 - 1"
+                ),
             ));
         }
         let shape: Vec<i32> = dims.iter().rev().map(|&d| d as i32).collect();
@@ -348,6 +363,12 @@ pub fn read_header(path: &Path) -> Result<GgufHeader> {
                 format!("alignment {alignment} overflows the file offsets"),
             )
         })?;
+    let mut seen = std::collections::HashSet::new();
+    for (name, ..) in &raw {
+        if !seen.insert(name.as_str()) {
+            return Err(bad(path, format!("tensor `{name}` is described twice")));
+        }
+    }
     let mut tensors = Vec::with_capacity(raw.len());
     for (name, shape, ty, offset, bytes) in raw {
         let Some((start, end)) = data_start
@@ -372,6 +393,21 @@ pub fn read_header(path: &Path) -> Result<GgufHeader> {
             start,
             bytes,
         });
+    }
+    // Tensors may not share bytes: otherwise a small file could describe the
+    // same region many times over and have it converted each time.
+    let mut by_start: Vec<&TensorInfo> = tensors.iter().collect();
+    by_start.sort_by_key(|t| t.start);
+    for w in by_start.windows(2) {
+        if w[0].start + w[0].bytes > w[1].start {
+            return Err(bad(
+                path,
+                format!(
+                    "tensors `{}` and `{}` overlap in the file",
+                    w[0].name, w[1].name
+                ),
+            ));
+        }
     }
     Ok(GgufHeader { meta, tensors })
 }
@@ -453,7 +489,7 @@ pub fn read_tensor(file: &mut std::fs::File, t: &TensorInfo, path: &Path) -> Res
         let mut packed = Vec::with_capacity(vals.len() * bits as usize / 32);
         pack(&vals, bits, &mut packed);
         let mut wshape = shape.clone();
-        *wshape.last_mut().expect("a matrix") = (cols as u32 * bits / 32) as i32;
+        *wshape.last_mut().expect("a matrix") = (cols as u64 * u64::from(bits) / 32) as i32;
         let mut sshape = shape.clone();
         *sshape.last_mut().expect("a matrix") = (cols / 32) as i32;
         let (scales, biases) = if half_scales {

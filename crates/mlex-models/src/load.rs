@@ -115,15 +115,17 @@ pub fn resolve(spec: &str) -> Result<(ModelSource, ModelOrigin)> {
                 // was found either.
                 Error::Hub {
                     repo,
-                    file,
+                    file: None,
                     message,
-                } => Error::Hub {
-                    repo,
-                    file,
-                    message: format!(
-                        "{message} (and there is no local directory or file `{spec}`)"
-                    ),
-                },
+                } if message.starts_with("HTTP 401") || message.starts_with("HTTP 404") => {
+                    Error::Hub {
+                        repo,
+                        file: None,
+                        message: format!(
+                            "{message} (and there is no local directory or file `{spec}`)"
+                        ),
+                    }
+                }
                 e => e,
             })?;
         let origin = ModelOrigin::Hub {

@@ -338,6 +338,49 @@ fn crafted_gguf_headers_are_errors() {
         let e = load_err(&p).to_string();
         assert!(e.contains("crafted.gguf"), "{what}: {e}");
     }
+    // Well-formed descriptors that describe impossible tensors, each with
+    // its data present in the file.
+    fn named(b: &mut Vec<u8>, name: &str, dims: &[u64], ty: u32, offset: u64) {
+        b.extend((name.len() as u64).to_le_bytes());
+        b.extend(name.as_bytes());
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(ty.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+    }
+    let padded = |mut b: Vec<u8>| {
+        b.resize(b.len().div_ceil(32) * 32 + 4096, 0);
+        b
+    };
+    let mut cases: Vec<(&str, Vec<u8>, &str)> = Vec::new();
+    let mut b = header(2, 0);
+    named(&mut b, "a", &[16], 0, 0);
+    named(&mut b, "b", &[16], 0, 32);
+    cases.push(("overlap", padded(b), "overlap"));
+    let mut b = header(2, 0);
+    named(&mut b, "a", &[8], 0, 0);
+    named(&mut b, "a", &[8], 0, 64);
+    cases.push(("duplicate", padded(b), "described twice"));
+    let mut b = header(1, 0);
+    named(&mut b, "a", &[0, 1 << 40], 0, 0);
+    cases.push(("empty dimension", padded(b), "empty dimension"));
+    let mut b = header(1, 0);
+    named(&mut b, "a", &[1 << 16, 1 << 16], 8, 0);
+    cases.push(("over 2^31 elements", padded(b), "at most 2^31"));
+    for (what, bytes, says) in cases {
+        let p = dir.path().join("crafted.gguf");
+        std::fs::write(&p, &bytes).unwrap();
+        let e = mlex_models::gguf::validate_gguf(&p)
+            .err()
+            .unwrap_or_else(|| panic!("{what}: accepted"))
+            .to_string();
+        assert!(
+            e.contains("crafted.gguf") && e.contains(says),
+            "{what}: {e}"
+        );
+    }
 }
 
 #[test]

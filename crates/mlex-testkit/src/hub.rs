@@ -151,7 +151,9 @@ fn handle(state: &Mutex<State>, uri: Uri, headers: HeaderMap) -> Response {
         _ => return StatusCode::NOT_FOUND.into_response(),
     };
     let Some(repo) = s.repos.get(&repo_id) else {
-        return (StatusCode::NOT_FOUND, "Repository not found").into_response();
+        // As huggingface.co answers a request without a token for a repo
+        // that does not exist.
+        return (StatusCode::UNAUTHORIZED, "Repository not found").into_response();
     };
     if let Some(t) = &repo.token {
         if header("authorization").as_deref() != Some(&format!("Bearer {t}")) {
@@ -201,7 +203,11 @@ fn handle(state: &Mutex<State>, uri: Uri, headers: HeaderMap) -> Response {
     if start >= total && total > 0 {
         return StatusCode::RANGE_NOT_SATISFIABLE.into_response();
     }
-    let chunk = body[start..=end].to_vec();
+    let chunk = if total == 0 {
+        Vec::new()
+    } else {
+        body[start..=end].to_vec()
+    };
     let drop_after = if start == 0 && end + 1 == total {
         s.drop_after.remove(&(repo_id.clone(), file.clone()))
     } else {

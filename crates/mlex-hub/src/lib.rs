@@ -40,6 +40,18 @@ pub enum GgufChoice {
 }
 
 impl HubSpec {
+    /// The spec as written: `org/name[@rev][:FILE.gguf|:QUANT]`.
+    pub fn display(&self) -> String {
+        let mut s = self.repo.clone();
+        if self.revision != "main" {
+            s += &format!("@{}", self.revision);
+        }
+        match &self.gguf {
+            Some(GgufChoice::File(f)) | Some(GgufChoice::Quant(f)) => s + ":" + f,
+            None => s,
+        }
+    }
+
     /// Parses `org/name[@revision][:FILE.gguf | :QUANT]`; `None` when `spec`
     /// does not have that shape (a local path, for instance).
     pub fn parse(spec: &str) -> Option<HubSpec> {
@@ -477,17 +489,8 @@ fn verify(spec: &HubSpec, file: &str, pointer: &Path) -> Result<()> {
 
 /// Hex sha256 of a file.
 pub fn sha256_file(path: &Path) -> std::io::Result<String> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path)?;
     let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
+    std::io::copy(&mut std::fs::File::open(path)?, &mut h)?;
     Ok(format!("{:x}", h.finalize()))
 }
 
@@ -543,6 +546,15 @@ fn api_err(
             "{e} (endpoint {}; is the network reachable? HF_HUB_OFFLINE=1 uses only the cache)",
             cfg.endpoint
         ),
+    };
+    // `org/name` is also how a relative path looks; `fetch` is asked only
+    // when no such path exists, so say that too.
+    let message = match (status, file) {
+        (Some(401) | Some(404), None) => format!(
+            "{message} (and there is no local directory or file `{}`)",
+            spec.display()
+        ),
+        _ => message,
     };
     hub_err(spec, file, message)
 }

@@ -109,25 +109,7 @@ pub fn resolve(spec: &str) -> Result<(ModelSource, ModelOrigin)> {
         };
     }
     if let Some(hub) = mlex_hub::HubSpec::parse(spec) {
-        let fetched =
-            mlex_hub::fetch(&hub, &mlex_hub::HubConfig::from_env()).map_err(|e| match e {
-                // `org/name` is also how a relative path looks: say that none
-                // was found either.
-                Error::Hub {
-                    repo,
-                    file: None,
-                    message,
-                } if message.starts_with("HTTP 401") || message.starts_with("HTTP 404") => {
-                    Error::Hub {
-                        repo,
-                        file: None,
-                        message: format!(
-                            "{message} (and there is no local directory or file `{spec}`)"
-                        ),
-                    }
-                }
-                e => e,
-            })?;
+        let fetched = mlex_hub::fetch(&hub, &mlex_hub::HubConfig::from_env())?;
         let origin = ModelOrigin::Hub {
             repo: hub.repo,
             revision: hub.revision,

@@ -92,16 +92,12 @@ pub fn dequantize(
     if model.quantization.is_none() {
         return Ok(None);
     }
-    let names: BTreeSet<&str> = model.params.iter().map(|(n, _)| n).collect();
+    // One map, not a scan of the store per module.
+    let by_name: std::collections::HashMap<&str, &mlx_rs::Array> = model.params.iter().collect();
+    let names: BTreeSet<&str> = by_name.keys().copied().collect();
     let mut weights = WeightMap::new();
     let file = weights.add_file("(dequantized in memory)".into());
-    let get = |n: &str| {
-        model
-            .params
-            .iter()
-            .find(|(m, _)| *m == n)
-            .map(|(_, a)| a.clone())
-    };
+    let get = |n: &str| by_name.get(n).map(|a| (*a).clone());
     for (name, array) in model.params.iter() {
         if name.ends_with(".scales") || name.ends_with(".biases") {
             let module = &name[..name.len() - 7];

@@ -175,7 +175,7 @@ fn tensor_groups(loaded: &mlex_models::load::LoadedModel) -> Vec<TensorGroup> {
     use std::collections::BTreeMap;
     let m = &loaded.model;
     let mut groups: BTreeMap<String, (usize, std::collections::BTreeSet<String>)> = BTreeMap::new();
-    let names: std::collections::HashSet<&str> = m.params.iter().map(|(n, _)| n).collect();
+    let by_name: std::collections::HashMap<&str, &mlx_rs::Array> = m.params.iter().collect();
     for (name, a) in m.params.iter() {
         if name.ends_with(".scales") || name.ends_with(".biases") {
             continue;
@@ -183,12 +183,10 @@ fn tensor_groups(loaded: &mlex_models::load::LoadedModel) -> Vec<TensorGroup> {
         let module = name.strip_suffix(".weight").unwrap_or(name);
         let dtype = format!("{:?}", a.dtype()).to_lowercase();
         let stored = match m.quantization.for_module(module) {
-            Some(q) if names.contains(format!("{module}.scales").as_str()) => {
-                let scales = m
-                    .params
-                    .iter()
-                    .find(|(n, _)| *n == format!("{module}.scales"))
-                    .map(|(_, s)| format!("{:?}", s.dtype()).to_lowercase())
+            Some(q) if by_name.contains_key(format!("{module}.scales").as_str()) => {
+                let scales = by_name
+                    .get(format!("{module}.scales").as_str())
+                    .map(|s| format!("{:?}", s.dtype()).to_lowercase())
                     .unwrap_or_default();
                 format!(
                     "{}-bit affine, group {} ({scales} scales)",

@@ -29,8 +29,7 @@ pub mod engine;
 pub mod metrics;
 
 use api::{ChatRequest, Common, CompletionRequest};
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -48,6 +47,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc as tmpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
 
 /// How the server runs.
 #[derive(Clone, Debug)]
@@ -270,21 +270,58 @@ const ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
 /// Largest request body accepted.
 const MAX_BODY_BYTES: usize = 4 << 20;
 
-async fn generate(
-    s: Arc<AppState>,
-    headers: HeaderMap,
-    body: std::result::Result<Bytes, BytesRejection>,
-    kind: Kind,
-) -> Response {
+/// How much of a body over [`MAX_BODY_BYTES`] is read and dropped before the
+/// 413. Most clients send the whole body before they read the answer; a
+/// server that answers and closes with the body unread resets the
+/// connection, and the client sees a broken pipe instead of the 413.
+const DRAIN_BODY_BYTES: usize = 64 << 20;
+
+/// Reads a request body of at most [`MAX_BODY_BYTES`], or answers 413 (or
+/// 400 when the body cannot be read).
+async fn read_body(headers: &HeaderMap, body: Body) -> std::result::Result<Vec<u8>, Response> {
+    let too_large = || {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("request body: larger than the limit of {MAX_BODY_BYTES} bytes"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > DRAIN_BODY_BYTES as u64) {
+        return Err(too_large());
+    }
+    let mut stream = body.into_data_stream();
+    let mut data = Vec::new();
+    let mut seen = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| bad_request(format!("request body: {e}")))?;
+        seen += chunk.len();
+        if seen > DRAIN_BODY_BYTES {
+            return Err(too_large());
+        }
+        if seen <= MAX_BODY_BYTES {
+            data.extend_from_slice(&chunk);
+        }
+    }
+    if seen > MAX_BODY_BYTES {
+        return Err(too_large());
+    }
+    Ok(data)
+}
+
+async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Body, kind: Kind) -> Response {
     if let Some(r) = check_auth(&s, &headers) {
         return r;
     }
     s.metrics.requests.inc();
-    let body = match body {
+    let body = match read_body(&headers, body).await {
         Ok(b) => b,
-        Err(e) => {
+        Err(r) => {
             s.metrics.rejected.inc();
-            return error(e.status(), "invalid_request_error", e.body_text());
+            return r;
         }
     };
     let parsed = match kind {
@@ -525,19 +562,11 @@ async fn generate(
         .into_response()
 }
 
-async fn chat(
-    State(s): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
+async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     generate(s, headers, body, Kind::Chat).await
 }
 
-async fn completions(
-    State(s): State<Arc<AppState>>,
-    headers: HeaderMap,
-    body: std::result::Result<Bytes, BytesRejection>,
-) -> Response {
+async fn completions(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     generate(s, headers, body, Kind::Completion).await
 }
 
@@ -642,7 +671,6 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
             .route("/health", get(health))
             .route("/metrics", get(metrics_text))
             .fallback(not_found)
-            .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
             .with_state(state);
         let shutdown = async move {
             stop_signal().await;

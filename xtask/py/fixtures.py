@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import gguf
+import gguf_hybrid
 import jinja2
 import mlx.core as mx
 import mlx.nn as nn
@@ -1313,6 +1314,185 @@ def make_gguf_fixture(out: Path, kind: str, family: str = "llama", vocab: str = 
     )
 
 
+def hf_qwen3_5_moe(weights: dict, cfg: dict, rng) -> dict:
+    """Qwen3.5-MoE in HF layout: hf_qwen3_5 plus the fused experts
+    ``experts.gate_up_proj`` [E, 2F, H] (gate first) and ``experts.down_proj``."""
+    out = hf_qwen3_5(weights, cfg, rng)
+    for k in [k for k in out if k.endswith(".mlp.switch_mlp.gate_proj.weight")]:
+        base = k[: -len(".switch_mlp.gate_proj.weight")]
+        gate = out.pop(k)
+        up = out.pop(f"{base}.switch_mlp.up_proj.weight")
+        out[f"{base}.experts.gate_up_proj"] = mx.concatenate([gate, up], axis=1)
+        out[f"{base}.experts.down_proj"] = out.pop(f"{base}.switch_mlp.down_proj.weight")
+    return out
+
+
+def nemotron_h_dense_config() -> dict:
+    """NemotronH without experts (Nemotron-H 8B's kind of pattern): llama.cpp's
+    converter makes ``nemotron_h`` of it; with experts it makes
+    ``nemotron_h_moe``, which has no dense MLP layers."""
+    moe_keys = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group",
+                "norm_topk_prob", "routed_scaling_factor", "n_shared_experts", "moe_shared_expert_intermediate_size")
+    return {k: v for k, v in nemotron_h_config("M-*-M*").items() if k not in moe_keys}
+
+
+def qwen3_5_moe_gguf_config() -> dict:
+    cfg = qwen3_5_config(moe=True)
+    cfg["text_config"].update(linear_key_head_dim=32, linear_value_head_dim=32)
+    return cfg
+
+
+# GGUF family -> (config, mlx-lm -> HF layout). Qwen3-Next with every layer
+# MoE (llama.cpp's qwen3next has no dense MLP layers and always renormalizes
+# the top-k weights).
+HYBRID_GGUF = {
+    "qwen3_next": (lambda: {**qwen3_next_config(moe=True), "decoder_sparse_step": 1, "norm_topk_prob": True}, hf_qwen3_next),
+    "qwen3_5": (qwen3_5_config, hf_qwen3_5),
+    # Heads of 32 (llama.cpp assumes key and value heads of one width): the
+    # value-head reorder of ssm_out then moves whole Q8_0 blocks, the path
+    # real checkpoints (heads of 128) take.
+    "qwen3_5_moe": (qwen3_5_moe_gguf_config, hf_qwen3_5_moe),
+    "nemotron_h": (nemotron_h_dense_config, hf_nemotron_h),
+    "nemotron_h_moe": (lambda: nemotron_h_config("ME*EM*"), hf_nemotron_h),
+}
+
+
+# mlx-lm modules that llama.cpp's converter always writes in F32 (routers,
+# convolutions; norms and 1-D tensors are never quantized either).
+HYBRID_F32_MODULES = re.compile(r"(\.mlp\.gate|shared_expert_gate|\.mixer\.gate|conv1d)\.weight$")
+
+
+def q8_0_affine(value: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The MLX affine triple (8 bits, group 32) that holds ``value``'s Q8_0
+    blocks exactly, as mlex stores them: codes q+128, scale d, bias -128 d,
+    float16 like the file's d. None when ``value`` is not such blocks.
+    A block's largest |v| is 127 d (gguf's encoder sets d = amax / 127)."""
+    rows = value.reshape(-1, value.shape[-1])
+    blocks = rows.reshape(rows.shape[0], -1, 32)
+    d = (np.abs(blocks).max(axis=-1) / 127.0).astype(np.float16)
+    d32 = d.astype(np.float32)
+    q = np.round(np.divide(blocks, d32[..., None], out=np.zeros_like(blocks), where=d32[..., None] != 0))
+    if np.abs(q).max() > 127 or not np.array_equal(q * d32[..., None], blocks):
+        return None
+    codes = (q + 128).astype(np.uint32).reshape(rows.shape[0], -1, 4)
+    packed = codes[..., 0] | (codes[..., 1] << 8) | (codes[..., 2] << 16) | (codes[..., 3] << 24)
+    lead = value.shape[:-1]
+    return (
+        packed.reshape(*lead, -1),
+        d.reshape(*lead, -1),
+        (-128.0 * d32).astype(np.float16).reshape(*lead, -1),
+    )
+
+
+def make_hybrid_gguf_fixture(out: Path, family: str, kind: str) -> dict:
+    """A tiny hybrid GGUF in llama.cpp's layout (gguf_hybrid.hf_to_gguf on
+    the HF layout of a random mlx-lm model). The reference is mlx-lm on the
+    gguf package's dequantization mapped back (gguf_hybrid.gguf_to_mlx):
+    float32 for an F32 file; for Q8_0, 8-bit affine layers that hold the
+    file's blocks exactly in float16, the precision mlex computes such a
+    file in (recurrent layers carry float16 rounding along the sequence, so
+    a float32 reference would be a test of float16, not of the layout)."""
+    name = f"gguf-{family}-{kind}"
+    make_cfg, to_hf = HYBRID_GGUF[family]
+    cfg = make_cfg()
+    model = random_model(cfg, seed_for(f"gguf_{family}"))
+    params = get_total_parameters(model)
+    weights = dict(tree_flatten(model.parameters()))
+    hf = {k: np.array(v) for k, v in to_hf(dict(weights), cfg, np.random.default_rng(seed_for(name))).items()}
+
+    # The two directions must undo each other before quantization enters.
+    back = gguf_hybrid.gguf_to_mlx(cfg, dict(gguf_hybrid.hf_to_gguf(cfg, hf)))
+    if sorted(back) != sorted(weights):
+        raise RuntimeError(f"{name}: names do not round-trip: {sorted(set(back) ^ set(weights))}")
+    for k, v in weights.items():
+        if back[k].shape != v.shape or not np.allclose(back[k], np.array(v), rtol=1e-6, atol=1e-6):
+            raise RuntimeError(f"{name}: {k} does not round-trip")
+
+    path = reset_dir(out / name)
+    gguf_file = path / "model.gguf"
+    qtype, file_type = GGUF_TYPES[kind]
+    vocab = text_config(cfg)["vocab_size"]
+
+    def add_vocab(writer):
+        tokens, types, merges = tiny_gpt2_vocab(vocab)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+
+    gguf_hybrid.write_hybrid_gguf(gguf_file, cfg, hf, qtype, file_type, add_vocab)
+    # Files that are wrong in one metadata key, for the error tests.
+    broken = {
+        "nemotron_h": ("attention.head_count_kv", lambda w, a: w.add_array(f"{a}.attention.head_count_kv", [0, 0, 2])),
+        "qwen3_5": ("ssm.time_step_rank", lambda w, a: w.add_ssm_time_step_rank(3)),
+    }
+    if family in broken and kind == "q8_0":
+        key, edit = broken[family]
+        gguf_hybrid.write_hybrid_gguf(path / f"broken-{key}.gguf", cfg, hf, qtype, file_type, add_vocab, edit)
+    dequantized = {
+        t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(n) for n in reversed(t.shape)])
+        for t in gguf.GGUFReader(str(gguf_file)).tensors
+    }
+    mapped = gguf_hybrid.gguf_to_mlx(cfg, dequantized)
+    ref_model = build_model(cfg)
+    ref_cfg = copy.deepcopy(cfg)
+    quant = None
+    if kind == "q8_0":
+        triples = {}
+        for k, v in mapped.items():
+            if k.endswith(".weight") and v.ndim >= 2 and not HYBRID_F32_MODULES.search(k):
+                t = q8_0_affine(v)
+                if t is not None:
+                    triples[k[: -len(".weight")]] = t
+                elif not k.endswith("linear_attn.out_proj.weight"):
+                    # Only Qwen3.5's ssm_out, its value heads moved across
+                    # 32-column blocks, may stop being Q8_0 blocks (mlex
+                    # dequantizes it too).
+                    raise RuntimeError(f"{name}: {k} is not Q8_0 blocks")
+        ref_model, ref_cfg = quantize(ref_model, ref_cfg, 8, 32, lambda p, m: p in triples)
+        arrays = {}
+        for k, v in mapped.items():
+            module = k[: -len(".weight")] if k.endswith(".weight") else None
+            if module in triples:
+                w, sc, b = triples[module]
+                arrays[k] = mx.array(w)
+                arrays[f"{module}.scales"] = mx.array(sc)
+                arrays[f"{module}.biases"] = mx.array(b)
+            else:
+                arrays[k] = mx.array(v)
+        ref_model.load_weights(list(arrays.items()), strict=True)
+        quant = {"bits": 8, "group_size": 32}
+    else:
+        ref_model.load_weights([(k, mx.array(v)) for k, v in mapped.items()], strict=True)
+    deq_dir = path / "dequantized"
+    deq_dir.mkdir()
+    save_model(deq_dir, ref_model)
+    save_config(ref_cfg, deq_dir / "config.json")
+    prompt = random_prompt(vocab)
+    ref = write_reference(deq_dir, prompt, path / "reference.safetensors")
+    summarize(name, params, ref)
+    reference = (
+        "mlx-lm on the gguf package's float32 dequantization mapped back"
+        if kind == "f32"
+        else "mlx-lm with 8-bit affine layers (group 32, float16 scales) holding the file's Q8_0 blocks, mapped back"
+    )
+    return manifest_entry(
+        name,
+        cfg["model_type"],
+        "float32" if kind == "f32" else "float16",
+        quant,
+        "gguf",
+        f"{name}/model.gguf",
+        f"llama.cpp's {gguf_hybrid.gguf_arch(cfg)} layout (xtask/py/gguf_hybrid.py: offset norms +1, ssm_a = -exp(A_log), "
+        "squeezed convs, split qkvz / tiled value heads / permuted q,k as the converter does), "
+        f"{kind.upper()} 2-D/3-D tensors, F32 norms, routers and convs. Reference: {reference} ({name}/dequantized)",
+        **reference_facts(ref),
+    )
+
+
 def mlx_gguf_distance(gguf_file: Path, prompt: np.ndarray, ref: dict[str, mx.array]) -> float:
     """Max |logit| difference between the reference and mlx-lm run on the
     GGUF as mx.load returns it (exported like the SmolLM2 checkpoint)."""
@@ -1482,6 +1662,11 @@ def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
     ]
     fixtures.append(Fixture("gguf-llama-spm-q8_0", lambda out: [make_gguf_fixture(out, "q8_0", "llama", "spm")]))
     fixtures.append(Fixture("gguf-llama-llama3-f32", lambda out: [make_gguf_fixture(out, "f32", "llama", rope="llama3")]))
+    fixtures += [
+        Fixture(f"gguf-{fam}-{kind}", lambda out, fam=fam, kind=kind: [make_hybrid_gguf_fixture(out, fam, kind)])
+        for fam in HYBRID_GGUF
+        for kind in ("f32", "q8_0")
+    ]
     if smollm2_gguf is not None:
         fixtures.append(Fixture("smollm2-export", lambda out: make_smollm2_fixtures(out, smollm2_gguf)))
         fixtures.append(Fixture("qwen3-chat", lambda out: make_chat_fixture(out, smollm2_gguf)))

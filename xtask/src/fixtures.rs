@@ -19,7 +19,12 @@ pub fn fixtures() -> Result<PathBuf> {
     let py_dir = root.join("xtask/py");
     let gguf = assets::smollm2_gguf()?;
     let mut h = Sha256::new();
-    for f in ["fixtures.py", "dhara_ref.py", "requirements.txt"] {
+    for f in [
+        "fixtures.py",
+        "gguf_hybrid.py",
+        "dhara_ref.py",
+        "requirements.txt",
+    ] {
         h.update(std::fs::read(py_dir.join(f))?);
     }
     h.update(gguf.to_string_lossy().as_bytes());

@@ -11,6 +11,9 @@
 //! Every size in the header is checked against the file before any tensor
 //! is read, so a truncated or corrupt GGUF is an error naming it.
 
+#[path = "gguf_hybrid.rs"]
+mod hybrid;
+
 use crate::gguf_file::{self, MetaValue};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::{Error, Result};
@@ -236,7 +239,42 @@ fn unpermute(a: &Array, heads: i32) -> Result<Array> {
     Ok(ops::reshape(&r, &s)?)
 }
 
-/// Reads a llama-family GGUF file.
+/// The tokenizer metadata of a GGUF file.
+fn read_tokenizer(meta: &Meta) -> Result<GgufTokenizer> {
+    Ok(GgufTokenizer {
+        model: meta.str("tokenizer.ggml.model").unwrap_or_default(),
+        tokens: meta.strings("tokenizer.ggml.tokens")?,
+        merges: meta.strings("tokenizer.ggml.merges")?,
+        token_types: meta.ints("tokenizer.ggml.token_type")?,
+        scores: meta.floats("tokenizer.ggml.scores")?,
+        bos: meta.i64("tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
+        eos: meta.i64("tokenizer.ggml.eos_token_id")?.map(|v| v as u32),
+        add_bos: meta.i64("tokenizer.ggml.add_bos_token")?.map(|v| v != 0),
+        chat_template: meta.str("tokenizer.chat_template"),
+    })
+}
+
+/// The `quantization` entry of `config.json` for the affine modules in
+/// `quant` (module → (bits, group)): the most common setting, with every
+/// other module listed by name.
+fn quantization_config(quant: &BTreeMap<String, (i32, i32)>) -> Option<Value> {
+    let mut counts: BTreeMap<(i32, i32), usize> = BTreeMap::new();
+    for s in quant.values() {
+        *counts.entry(*s).or_default() += 1;
+    }
+    let (&(bits, group), _) = counts.iter().max_by_key(|(_, n)| **n)?;
+    let mut q = Map::new();
+    q.insert("group_size".into(), json!(group));
+    q.insert("bits".into(), json!(bits));
+    for (module, (b, g)) in quant {
+        if (*b, *g) != (bits, group) {
+            q.insert(module.clone(), json!({"group_size": g, "bits": b}));
+        }
+    }
+    Some(Value::Object(q))
+}
+
+/// Reads a GGUF file of a family mlex knows.
 pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     let header = gguf_file::read_header(path)?;
     let file_types: BTreeMap<String, String> = header
@@ -250,16 +288,15 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         path,
     };
     let arch = meta.str("general.architecture").unwrap_or_default();
+    if let Some(hybrid) = hybrid::Family::of(&arch) {
+        return hybrid::load(path, &header, &meta, hybrid);
+    }
     let family = Family::of(&arch).ok_or_else(|| {
         bad(
             path,
             format!(
-                "general.architecture is `{arch}`; GGUF loading supports llama, qwen2, qwen3 and qwen3moe{}",
-                if ["qwen35", "qwen3next", "nemotron_h"].contains(&arch.as_str()) {
-                    " (the hybrids load from safetensors checkpoints for now)"
-                } else {
-                    ""
-                }
+                "general.architecture is `{arch}`; GGUF loading supports llama, qwen2, qwen3, qwen3moe, \
+                 qwen3next, qwen35, qwen35moe, nemotron_h and nemotron_h_moe"
             ),
         )
     })?;
@@ -303,17 +340,7 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         .f64(&k("attention.layer_norm_rms_epsilon"))?
         .unwrap_or(1e-6);
     let context = meta.i64(&k("context_length"))?;
-    let tokenizer = GgufTokenizer {
-        model: meta.str("tokenizer.ggml.model").unwrap_or_default(),
-        tokens: meta.strings("tokenizer.ggml.tokens")?,
-        merges: meta.strings("tokenizer.ggml.merges")?,
-        token_types: meta.ints("tokenizer.ggml.token_type")?,
-        scores: meta.floats("tokenizer.ggml.scores")?,
-        bos: meta.i64("tokenizer.ggml.bos_token_id")?.map(|v| v as u32),
-        eos: meta.i64("tokenizer.ggml.eos_token_id")?.map(|v| v as u32),
-        add_bos: meta.i64("tokenizer.ggml.add_bos_token")?.map(|v| v != 0),
-        chat_template: meta.str("tokenizer.chat_template"),
-    };
+    let tokenizer = read_tokenizer(&meta)?;
 
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let mut raw: Vec<(String, Array)> = Vec::new();
@@ -431,10 +458,6 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         let packed = i64::from(w.shape()[w.ndim() - 1]);
         *spec = ((packed * 32 / in_features.max(1)) as i32, group);
     }
-    let mut counts: BTreeMap<(i32, i32), usize> = BTreeMap::new();
-    for s in quant.values() {
-        *counts.entry(*s).or_default() += 1;
-    }
     let mut config = Map::new();
     config.insert("model_type".into(), json!(family.model_type()));
     if let Some(d) = head_dim {
@@ -489,16 +512,8 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     if let Some(c) = context {
         config.insert("max_position_embeddings".into(), json!(c));
     }
-    if let Some((&(bits, group), _)) = counts.iter().max_by_key(|(_, n)| **n) {
-        let mut q = Map::new();
-        q.insert("group_size".into(), json!(group));
-        q.insert("bits".into(), json!(bits));
-        for (module, (b, g)) in &quant {
-            if (*b, *g) != (bits, group) {
-                q.insert(module.clone(), json!({"group_size": g, "bits": b}));
-            }
-        }
-        config.insert("quantization".into(), Value::Object(q));
+    if let Some(q) = quantization_config(&quant) {
+        config.insert("quantization".into(), q);
     }
     Ok(GgufCheckpoint {
         config: ModelConfig::new(Value::Object(config), path),

@@ -679,3 +679,20 @@ fn crafted_safetensors_headers_and_wrong_dtypes_are_named() {
         "{e}"
     );
 }
+
+#[test]
+fn hybrid_gguf_metadata_that_contradicts_itself_names_the_key() {
+    for (fixture_name, key) in [
+        ("gguf-nemotron_h-q8_0", "nemotron_h.attention.head_count_kv"),
+        ("gguf-qwen3_5-q8_0", "qwen35.ssm.time_step_rank"),
+    ] {
+        let model = path_of(&fixture(fixture_name));
+        let short = key.split_once('.').unwrap().1;
+        let p = model.with_file_name(format!("broken-{short}.gguf"));
+        let e = load_err(&p).to_string();
+        assert!(
+            e.contains(&format!("broken-{short}.gguf")) && e.contains(key),
+            "{fixture_name}: {e}"
+        );
+    }
+}

@@ -51,6 +51,21 @@ pub struct Qwen3NextConfig {
     /// Every n-th layer is full attention.
     #[serde(default = "d_interval")]
     pub full_attention_interval: usize,
+    /// How the checkpoint stores the linear-attention input projections.
+    #[serde(default)]
+    pub linear_attention_projections: Projections,
+}
+
+/// The linear-attention input projections of a Qwen3-Next checkpoint.
+#[derive(Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Projections {
+    /// Hugging Face's `in_proj_qkvz` and `in_proj_ba`, grouped per key head.
+    #[default]
+    Fused,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` (Qwen3.5's
+    /// layout; what llama.cpp's GGUF files hold since January 2026).
+    Split,
 }
 
 /// The `qwen3_next` architecture.
@@ -65,6 +80,10 @@ impl Architecture for Qwen3Next {
     }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: Qwen3NextConfig = config.parse()?;
+        let layout = match c.linear_attention_projections {
+            Projections::Fused => "qwen3_next",
+            Projections::Split => "qwen3_5",
+        };
         let layers = (0..c.num_hidden_layers)
             .map(|i| {
                 let moe = !c.mlp_only_layers.contains(&(i as i64))
@@ -74,7 +93,7 @@ impl Architecture for Qwen3Next {
                 if (i + 1) % c.full_attention_interval.max(1) != 0 {
                     (
                         "gated_delta".to_owned(),
-                        json!({"layout": "qwen3_next", "mlp": mlp}),
+                        json!({"layout": layout, "mlp": mlp}),
                     )
                 } else {
                     (

@@ -1,0 +1,1093 @@
+//! GGUF checkpoints of the hybrids: llama.cpp's `qwen3next`, `qwen35`,
+//! `qwen35moe`, `nemotron_h` and `nemotron_h_moe`.
+//!
+//! llama.cpp's converter (`convert_hf_to_gguf.py`, its Qwen3Next, Qwen3.5
+//! and NemotronH classes) reshapes these models for its own kernels; this
+//! module undoes each step into mlx-lm's sanitized layout, so the
+//! architectures in [`crate::models`] load the result unchanged:
+//!
+//! * Qwen: the norms Hugging Face stores as offsets already carry their +1
+//!   (as mlx-lm's sanitized weights do); `ssm_a = -exp(A_log)` becomes
+//!   `A_log` again; convs `[C, K]` become `[C, K, 1]`. Qwen3-Next's
+//!   `attn_qkv` (all q, all k, all v) and `attn_gate` (z) are exactly
+//!   Qwen3.5's `in_proj_qkv` and `in_proj_z`, and `ssm_ba` (per key head
+//!   `[b(r), a(r)]`) splits into `in_proj_b` and `in_proj_a`, so such a file
+//!   loads with the split projection layout; a file from before llama.cpp
+//!   split them (its fused `ssm_in`) loads with the fused one. Qwen3.5's
+//!   value heads are stored tiled (slot `j * nk + g` holds head `g * r + j`)
+//!   and are put back in grouped order in every tensor that has them,
+//!   including the input columns of `ssm_out`. Multi-token-prediction
+//!   blocks (`nextn_predict_layers`) are left out.
+//! * NemotronH: `ssm_a`, `ssm_d` `[heads, 1]` and the grouped norm
+//!   `[groups, d_inner / groups]` are flattened, q/k rows leave LLaMA's
+//!   rotary interleave, and the per-layer `head_count_kv` and
+//!   `feed_forward_length` arrays give back `hybrid_override_pattern`.
+//!
+//! Row reorders apply to quantized tensors as they are (each row keeps its
+//! scales). A column reorder of a quantized `ssm_out` moves whole
+//! quantization groups when a head's width is a multiple of the group;
+//! otherwise that one tensor is dequantized to float32.
+
+use super::{bad, quantization_config, read_tokenizer, GgufCheckpoint, Meta};
+use crate::gguf_file::{self, GgufHeader, MetaValue};
+use mlex_core::config::ModelConfig;
+use mlex_core::error::Result;
+use mlex_core::weights::WeightMap;
+use mlx_rs::{ops, Array, Dtype};
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The hybrid GGUF architectures, by `general.architecture`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Family {
+    Qwen3Next,
+    Qwen35,
+    Qwen35Moe,
+    NemotronH,
+    NemotronHMoe,
+}
+
+impl Family {
+    pub(super) fn of(arch: &str) -> Option<Family> {
+        Some(match arch {
+            "qwen3next" => Family::Qwen3Next,
+            "qwen35" => Family::Qwen35,
+            "qwen35moe" => Family::Qwen35Moe,
+            "nemotron_h" => Family::NemotronH,
+            "nemotron_h_moe" => Family::NemotronHMoe,
+            _ => return None,
+        })
+    }
+
+    fn arch(self) -> &'static str {
+        match self {
+            Family::Qwen3Next => "qwen3next",
+            Family::Qwen35 => "qwen35",
+            Family::Qwen35Moe => "qwen35moe",
+            Family::NemotronH => "nemotron_h",
+            Family::NemotronHMoe => "nemotron_h_moe",
+        }
+    }
+
+    fn nemotron(self) -> bool {
+        matches!(self, Family::NemotronH | Family::NemotronHMoe)
+    }
+}
+
+/// One tensor as read: dense, or MLX affine (`weight`, `scales`, `biases`).
+enum Tensor {
+    Dense(Array),
+    Affine {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        bits: i32,
+        group: i32,
+    },
+}
+
+fn indices(idx: &[i32]) -> Array {
+    Array::from_slice(idx, &[idx.len() as i32])
+}
+
+impl Tensor {
+    /// Its logical shape (unpacked).
+    fn shape(&self) -> Vec<i32> {
+        match self {
+            Tensor::Dense(a) => a.shape().to_vec(),
+            Tensor::Affine { scales, group, .. } => {
+                let mut s = scales.shape().to_vec();
+                let last = s.len() - 1;
+                s[last] *= group;
+                s
+            }
+        }
+    }
+
+    /// Float32 values.
+    fn dense(&self) -> Result<Array> {
+        Ok(match self {
+            Tensor::Dense(a) => a.as_dtype(Dtype::Float32)?,
+            Tensor::Affine {
+                weight,
+                scales,
+                biases,
+                bits,
+                group,
+            } => {
+                // Float32 scales: d * q of a Q8_0 block needs up to 18 bits,
+                // more than float16 holds.
+                let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
+                ops::dequantize(weight, f32(scales)?, Some(&f32(biases)?), *group, *bits)?
+            }
+        })
+    }
+
+    /// Gathers output rows (the second-to-last axis; the only axis of a
+    /// 1-D tensor): row `i` of the result is row `idx[i]`. With `whole`,
+    /// `idx` must be a reordering of every row (else a subset). An index
+    /// past the end is an error naming the tensor: MLX's gather does not
+    /// check.
+    fn rows(&self, idx: &[i32], whole: bool, name: &str, path: &Path) -> Result<Tensor> {
+        let shape = self.shape();
+        let n = shape[shape.len().saturating_sub(2).min(shape.len() - 1)];
+        if idx.iter().any(|&i| i < 0 || i >= n) || (whole && idx.len() != n as usize) {
+            return Err(bad(
+                path,
+                format!(
+                    "tensor `{name}` has {n} rows along its output axis (shape {shape:?}); the metadata's head counts and sizes need {}",
+                    idx.len()
+                ),
+            ));
+        }
+        let ix = indices(idx);
+        let axis = |a: &Array| (a.ndim() as i32 - 2).max(0);
+        Ok(match self {
+            Tensor::Dense(a) => Tensor::Dense(a.take_axis(&ix, axis(a))?),
+            Tensor::Affine {
+                weight,
+                scales,
+                biases,
+                bits,
+                group,
+            } => Tensor::Affine {
+                weight: weight.take_axis(&ix, axis(weight))?,
+                scales: scales.take_axis(&ix, axis(scales))?,
+                biases: biases.take_axis(&ix, axis(biases))?,
+                bits: *bits,
+                group: *group,
+            },
+        })
+    }
+
+    /// Permutes blocks of `block` input columns (the last axis): block `b`
+    /// of the result is block `perm[b]`.
+    fn column_blocks(&self, perm: &[i32], block: i32, name: &str, path: &Path) -> Result<Tensor> {
+        let shape = self.shape();
+        if shape.len() < 2 || shape[shape.len() - 1] != perm.len() as i32 * block {
+            return Err(bad(
+                path,
+                format!(
+                    "tensor `{name}` has shape {shape:?}; the metadata's value heads need {} input columns",
+                    perm.len() as i32 * block
+                ),
+            ));
+        }
+        let spread = |width: i32| -> Vec<i32> {
+            perm.iter()
+                .flat_map(|&p| (0..width).map(move |d| p * width + d))
+                .collect()
+        };
+        Ok(match self {
+            Tensor::Dense(a) => Tensor::Dense(a.take_axis(indices(&spread(block)), -1)?),
+            Tensor::Affine {
+                weight,
+                scales,
+                biases,
+                bits,
+                group,
+            } if block % group == 0 && (block * bits) % 32 == 0 => Tensor::Affine {
+                weight: weight.take_axis(indices(&spread(block * bits / 32)), -1)?,
+                scales: scales.take_axis(indices(&spread(block / group)), -1)?,
+                biases: biases.take_axis(indices(&spread(block / group)), -1)?,
+                bits: *bits,
+                group: *group,
+            },
+            Tensor::Affine { .. } => {
+                Tensor::Dense(self.dense()?.take_axis(indices(&spread(block)), -1)?)
+            }
+        })
+    }
+
+    /// A dense value transform (norms, `A_log`, convs are float32 in
+    /// llama.cpp's files; a quantized one is dequantized first).
+    fn map(&self, f: impl FnOnce(Array) -> Result<Array>) -> Result<Tensor> {
+        Ok(Tensor::Dense(f(self.dense()?)?))
+    }
+}
+
+/// Row indices that put tiled value heads (slot `j * nk + g`) back in
+/// grouped order (head `g * r + j`), `hd` rows per head, after `offset`
+/// rows kept in place.
+fn untile(offset: i32, nk: i32, r: i32, hd: i32) -> Vec<i32> {
+    let mut idx: Vec<i32> = (0..offset).collect();
+    for h in 0..nk * r {
+        let slot = (h % r) * nk + h / r;
+        idx.extend((0..hd).map(|d| offset + slot * hd + d));
+    }
+    idx
+}
+
+/// Row indices undoing llama.cpp's rotary interleave of q/k rows
+/// (`LlamaModel.permute`): row `p * hd / 2 + i` of a head came from row
+/// `2 * i + p`.
+fn unpermute(rows: i32, heads: i32) -> Vec<i32> {
+    let hd = rows / heads;
+    let half = hd / 2;
+    (0..rows)
+        .map(|row| {
+            let (head, within) = (row / hd, row % hd);
+            let (p, i) = (within / half, within % half);
+            head * hd + 2 * i + p
+        })
+        .collect()
+}
+
+/// Typed metadata reads for one family; errors name the file and key.
+struct Keys<'a> {
+    meta: &'a Meta<'a>,
+    arch: &'static str,
+}
+
+impl Keys<'_> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    fn opt(&self, k: &str) -> Result<Option<i64>> {
+        self.meta.i64(&self.key(k))
+    }
+
+    fn need(&self, k: &str) -> Result<i64> {
+        let key = self.key(k);
+        let v = self
+            .meta
+            .i64(&key)?
+            .ok_or_else(|| bad(self.meta.path, format!("metadata `{key}` is missing")))?;
+        mlex_core::config::count(v)
+            .map(i64::from)
+            .map_err(|m| bad(self.meta.path, format!("metadata `{key}` {m}")))
+    }
+
+    fn float(&self, k: &str) -> Result<Option<f64>> {
+        self.meta.f64(&self.key(k))
+    }
+
+    fn flag(&self, k: &str) -> Option<bool> {
+        match self.meta.meta.get(&self.key(k)) {
+            Some(MetaValue::Bool(b)) => Some(*b),
+            Some(v) => v.as_i64().map(|i| i != 0),
+            None => None,
+        }
+    }
+
+    /// A per-layer array, or one value for every layer.
+    fn per_layer(&self, k: &str, layers: usize) -> Result<Vec<i64>> {
+        let key = self.key(k);
+        let v: Vec<i64> = match self.meta.meta.get(&key) {
+            Some(MetaValue::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_i64().ok_or_else(|| {
+                        bad(
+                            self.meta.path,
+                            format!("metadata `{key}` holds a non-integer"),
+                        )
+                    })
+                })
+                .collect::<Result<_>>()?,
+            Some(x) => vec![
+                x.as_i64().ok_or_else(|| {
+                    bad(
+                        self.meta.path,
+                        format!("metadata `{key}` is not an integer"),
+                    )
+                })?;
+                layers
+            ],
+            None => return Err(bad(self.meta.path, format!("metadata `{key}` is missing"))),
+        };
+        if v.len() != layers || v.iter().any(|&x| x < 0) {
+            return Err(bad(
+                self.meta.path,
+                format!(
+                    "metadata `{key}` must hold {layers} non-negative values (one per layer), not {:?}",
+                    v
+                ),
+            ));
+        }
+        Ok(v)
+    }
+}
+
+/// Tensors read from the file, by GGUF name.
+struct Tensors {
+    map: BTreeMap<String, (Tensor, String)>,
+}
+
+impl Tensors {
+    fn take(&mut self, name: &str) -> Option<(Tensor, String)> {
+        self.map.remove(name)
+    }
+}
+
+/// The output: weights under mlx-lm names and the GGML type each came from.
+struct Out {
+    weights: WeightMap,
+    file: usize,
+    types: Vec<(String, String)>,
+    quant: BTreeMap<String, (i32, i32)>,
+}
+
+impl Out {
+    fn put(&mut self, module: &str, t: Tensor, ty: &str, suffix: &str) {
+        self.types
+            .push((format!("{module}.{suffix}"), ty.to_owned()));
+        match t {
+            Tensor::Dense(a) => {
+                self.weights
+                    .insert(format!("{module}.{suffix}"), a, self.file);
+            }
+            Tensor::Affine {
+                weight,
+                scales,
+                biases,
+                bits,
+                group,
+            } => {
+                self.weights
+                    .insert(format!("{module}.weight"), weight, self.file);
+                self.weights
+                    .insert(format!("{module}.scales"), scales, self.file);
+                self.weights
+                    .insert(format!("{module}.biases"), biases, self.file);
+                self.quant.insert(module.to_owned(), (bits, group));
+            }
+        }
+    }
+}
+
+/// Reads a hybrid GGUF file.
+pub(super) fn load(
+    path: &Path,
+    header: &GgufHeader,
+    meta: &Meta,
+    family: Family,
+) -> Result<GgufCheckpoint> {
+    let keys = Keys {
+        meta,
+        arch: family.arch(),
+    };
+    let tokenizer = read_tokenizer(meta)?;
+    let mut file = std::fs::File::open(path).map_err(|e| mlex_core::error::Error::io(path, e))?;
+    let mut map = BTreeMap::new();
+    for t in &header.tensors {
+        let tensor = match gguf_file::read_tensor(&mut file, t, path)? {
+            gguf_file::TensorData::Dense(a) => Tensor::Dense(a),
+            gguf_file::TensorData::Affine {
+                weight,
+                scales,
+                biases,
+                bits,
+                group,
+            } => Tensor::Affine {
+                weight,
+                scales,
+                biases,
+                bits,
+                group,
+            },
+        };
+        if tensor.shape().contains(&0) || tensor.shape().is_empty() {
+            return Err(bad(
+                path,
+                format!("tensor `{}` has the empty shape {:?}", t.name, t.shape),
+            ));
+        }
+        map.insert(t.name.clone(), (tensor, t.ty.name().to_owned()));
+    }
+    // Every block has tensors; a larger count is a corrupt header (and
+    // would size per-layer tables by it).
+    let blocks = keys.need("block_count")?;
+    if blocks as usize > map.len() {
+        return Err(bad(
+            path,
+            format!(
+                "metadata `{}` is {blocks}, more than the file's {} tensors",
+                keys.key("block_count"),
+                map.len()
+            ),
+        ));
+    }
+    let mut tensors = Tensors { map };
+    let mut weights = WeightMap::new();
+    let file_id = weights.add_file(path.to_owned());
+    let mut out = Out {
+        weights,
+        file: file_id,
+        types: Vec::new(),
+        quant: BTreeMap::new(),
+    };
+    let config = if family.nemotron() {
+        nemotron(path, &keys, family, &mut tensors, &mut out)?
+    } else {
+        qwen(path, &keys, family, &mut tensors, &mut out)?
+    };
+    if let Some(name) = tensors.map.keys().next() {
+        return Err(bad(
+            path,
+            format!(
+                "tensor `{name}` has no {} equivalent in mlex (unsupported GGUF layout)",
+                family.arch()
+            ),
+        ));
+    }
+    let mut config = config;
+    if let Some(q) = quantization_config(&out.quant) {
+        config.insert("quantization".into(), q);
+    }
+    Ok(GgufCheckpoint {
+        config: ModelConfig::new(Value::Object(config), path),
+        weights: out.weights,
+        tokenizer,
+        tensor_types: out.types,
+    })
+}
+
+/// Moves the global tensors (embedding, final norm, head); returns whether
+/// the head is tied and the vocabulary size.
+fn globals(
+    path: &Path,
+    tensors: &mut Tensors,
+    out: &mut Out,
+    embed: &str,
+    norm: &str,
+    head: &str,
+) -> Result<(bool, i32)> {
+    let (e, ty) = tensors
+        .take("token_embd.weight")
+        .ok_or_else(|| bad(path, "tensor `token_embd.weight` is missing"))?;
+    let vocab = e.shape()[0];
+    out.put(embed, e, &ty, "weight");
+    let (n, ty) = tensors
+        .take("output_norm.weight")
+        .ok_or_else(|| bad(path, "tensor `output_norm.weight` is missing"))?;
+    out.put(norm, n, &ty, "weight");
+    let tied = match tensors.take("output.weight") {
+        Some((h, ty)) => {
+            out.put(head, h, &ty, "weight");
+            false
+        }
+        None => true,
+    };
+    Ok((tied, vocab))
+}
+
+/// `qwen3next`, `qwen35`, `qwen35moe`.
+fn qwen(
+    path: &Path,
+    k: &Keys,
+    family: Family,
+    tensors: &mut Tensors,
+    out: &mut Out,
+) -> Result<Map<String, Value>> {
+    let blocks = k.need("block_count")?;
+    let mtp = k.opt("nextn_predict_layers")?.unwrap_or(0);
+    let layers = blocks - mtp.clamp(0, blocks);
+    let hidden = k.need("embedding_length")?;
+    let heads = k.need("attention.head_count")?;
+    let kv_heads = k.opt("attention.head_count_kv")?.unwrap_or(heads);
+    let head_dim = k.need("attention.key_length")?;
+    let nk = k.need("ssm.group_count")? as i32;
+    let nv = k.need("ssm.time_step_rank")? as i32;
+    let dk = k.need("ssm.state_size")? as i32;
+    let inner = k.need("ssm.inner_size")? as i32;
+    if nv % nk != 0 || inner % nv != 0 {
+        return Err(bad(
+            path,
+            format!(
+                "metadata `{}` ({nv} value heads) must be a multiple of `{}` ({nk} key heads), \
+                 and `{}` ({inner}) a multiple of the value heads",
+                k.key("ssm.time_step_rank"),
+                k.key("ssm.group_count"),
+                k.key("ssm.inner_size")
+            ),
+        ));
+    }
+    let dv = inner / nv;
+    let r = nv / nk;
+    let interval = k.opt("full_attention_interval")?.unwrap_or(4).max(1);
+    let rot = k.opt("rope.dimension_count")?.unwrap_or(head_dim);
+    let theta = k.float("rope.freq_base")?.unwrap_or(10_000_000.0);
+    let eps = k.float("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6);
+    let context = k.opt("context_length")?;
+    let prefix = if family == Family::Qwen3Next {
+        ""
+    } else {
+        "language_model."
+    };
+    let (tied, vocab) = globals(
+        path,
+        tensors,
+        out,
+        &format!("{prefix}model.embed_tokens"),
+        &format!("{prefix}model.norm"),
+        &format!("{prefix}lm_head"),
+    )?;
+    let tiled = family != Family::Qwen3Next && nk != nv;
+    let mut fused = false;
+    let mut dense_layers = Vec::new();
+    for i in 0..blocks {
+        let b = |n: &str| format!("blk.{i}.{n}");
+        let l = format!("{prefix}model.layers.{i}");
+        if i >= layers {
+            // A multi-token-prediction block: not used for generation.
+            let p = format!("blk.{i}.");
+            tensors.map.retain(|n, _| !n.starts_with(&p));
+            continue;
+        }
+        let simple = [
+            ("attn_norm.weight", "input_layernorm", "weight"),
+            (
+                "post_attention_norm.weight",
+                "post_attention_layernorm",
+                "weight",
+            ),
+            ("attn_q.weight", "self_attn.q_proj", "weight"),
+            ("attn_k.weight", "self_attn.k_proj", "weight"),
+            ("attn_v.weight", "self_attn.v_proj", "weight"),
+            ("attn_output.weight", "self_attn.o_proj", "weight"),
+            ("attn_q_norm.weight", "self_attn.q_norm", "weight"),
+            ("attn_k_norm.weight", "self_attn.k_norm", "weight"),
+            ("ssm_norm.weight", "linear_attn.norm", "weight"),
+            ("ffn_gate.weight", "mlp.gate_proj", "weight"),
+            ("ffn_up.weight", "mlp.up_proj", "weight"),
+            ("ffn_down.weight", "mlp.down_proj", "weight"),
+            ("ffn_gate_inp.weight", "mlp.gate", "weight"),
+            ("ffn_gate_exps.weight", "mlp.switch_mlp.gate_proj", "weight"),
+            ("ffn_up_exps.weight", "mlp.switch_mlp.up_proj", "weight"),
+            ("ffn_down_exps.weight", "mlp.switch_mlp.down_proj", "weight"),
+            (
+                "ffn_gate_shexp.weight",
+                "mlp.shared_expert.gate_proj",
+                "weight",
+            ),
+            ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj", "weight"),
+            (
+                "ffn_down_shexp.weight",
+                "mlp.shared_expert.down_proj",
+                "weight",
+            ),
+            ("attn_q.bias", "self_attn.q_proj", "bias"),
+            ("attn_k.bias", "self_attn.k_proj", "bias"),
+            ("attn_v.bias", "self_attn.v_proj", "bias"),
+            ("attn_output.bias", "self_attn.o_proj", "bias"),
+        ];
+        for (from, to, suffix) in simple {
+            if let Some((t, ty)) = tensors.take(&b(from)) {
+                out.put(&format!("{l}.{to}"), t, &ty, suffix);
+            }
+        }
+        if !tensors.map.contains_key(&b("ffn_gate_inp.weight"))
+            && !out.weights.contains(&format!("{l}.mlp.gate.weight"))
+        {
+            dense_layers.push(i);
+        }
+        if let Some((t, ty)) = tensors.take(&b("ffn_gate_up_exps.weight")) {
+            // Fused gate and up experts `[E, 2F, H]`, gate first.
+            let shape = t.shape();
+            let rows = shape[shape.len().saturating_sub(2)];
+            let half = rows / 2;
+            let gate: Vec<i32> = (0..half).collect();
+            let up: Vec<i32> = (half..rows).collect();
+            out.put(
+                &format!("{l}.mlp.switch_mlp.gate_proj"),
+                t.rows(&gate, false, &b("ffn_gate_up_exps.weight"), path)?,
+                &ty,
+                "weight",
+            );
+            out.put(
+                &format!("{l}.mlp.switch_mlp.up_proj"),
+                t.rows(&up, false, &b("ffn_gate_up_exps.weight"), path)?,
+                &ty,
+                "weight",
+            );
+        }
+        if let Some((t, ty)) = tensors.take(&b("ffn_gate_inp_shexp.weight")) {
+            let t = match t {
+                Tensor::Dense(a) if a.ndim() == 1 => Tensor::Dense(a.reshape(&[1, -1])?),
+                other => other,
+            };
+            out.put(&format!("{l}.mlp.shared_expert_gate"), t, &ty, "weight");
+        }
+        // Gated DeltaNet.
+        let la = format!("{l}.linear_attn");
+        let qk_rows = 2 * nk * dk;
+        let heads_idx = |hd: i32| untile(0, nk, r, hd);
+        if let Some((t, ty)) = tensors.take(&b("ssm_in.weight")) {
+            // Before llama.cpp split it: Hugging Face's fused in_proj_qkvz.
+            fused = true;
+            out.put(&format!("{la}.in_proj_qkvz"), t, &ty, "weight");
+        }
+        if let Some((t, ty)) = tensors.take(&b("attn_qkv.weight")) {
+            let t = if tiled {
+                t.rows(
+                    &untile(qk_rows, nk, r, dv),
+                    true,
+                    &b("attn_qkv.weight"),
+                    path,
+                )?
+            } else {
+                t
+            };
+            out.put(&format!("{la}.in_proj_qkv"), t, &ty, "weight");
+        }
+        if let Some((t, ty)) = tensors.take(&b("attn_gate.weight")) {
+            let t = if tiled {
+                t.rows(&heads_idx(dv), true, &b("attn_gate.weight"), path)?
+            } else {
+                t
+            };
+            out.put(&format!("{la}.in_proj_z"), t, &ty, "weight");
+        }
+        for (from, to) in [
+            ("ssm_beta.weight", "in_proj_b"),
+            ("ssm_alpha.weight", "in_proj_a"),
+        ] {
+            if let Some((t, ty)) = tensors.take(&b(from)) {
+                let t = if tiled {
+                    t.rows(&heads_idx(1), true, &b(from), path)?
+                } else {
+                    t
+                };
+                out.put(&format!("{la}.{to}"), t, &ty, "weight");
+            }
+        }
+        if let Some((t, ty)) = tensors.take(&b("ssm_ba.weight")) {
+            if fused {
+                out.put(&format!("{la}.in_proj_ba"), t, &ty, "weight");
+            } else {
+                // Per key head g: rows [b (r), a (r)].
+                let pick = |second: i32| -> Vec<i32> {
+                    (0..nk)
+                        .flat_map(|g| (0..r).map(move |j| g * 2 * r + second * r + j))
+                        .collect()
+                };
+                let n = &b("ssm_ba.weight");
+                let rows = t.shape()[0];
+                if rows != 2 * nv {
+                    return Err(bad(
+                        path,
+                        format!(
+                            "tensor `{n}` has {rows} rows; the metadata's {nv} value heads need {}",
+                            2 * nv
+                        ),
+                    ));
+                }
+                out.put(
+                    &format!("{la}.in_proj_b"),
+                    t.rows(&pick(0), false, n, path)?,
+                    &ty,
+                    "weight",
+                );
+                out.put(
+                    &format!("{la}.in_proj_a"),
+                    t.rows(&pick(1), false, n, path)?,
+                    &ty,
+                    "weight",
+                );
+            }
+        }
+        if let Some((t, ty)) = tensors.take(&b("ssm_conv1d.weight")) {
+            let t = if tiled {
+                t.rows(
+                    &untile(qk_rows, nk, r, dv),
+                    true,
+                    &b("ssm_conv1d.weight"),
+                    path,
+                )?
+            } else {
+                t
+            };
+            out.put(
+                &format!("{la}.conv1d"),
+                t.map(|a| Ok(a.expand_dims(-1)?))?,
+                &ty,
+                "weight",
+            );
+        }
+        if let Some((t, ty)) = tensors.take(&b("ssm_dt.bias")) {
+            let t = if tiled {
+                t.rows(&heads_idx(1), true, &b("ssm_dt.bias"), path)?
+            } else {
+                t
+            };
+            out.weights
+                .insert(format!("{la}.dt_bias"), t.dense()?, out.file);
+            out.types.push((format!("{la}.dt_bias"), ty));
+        }
+        if let Some((t, ty)) = tensors.take(&b("ssm_a")) {
+            let t = if tiled {
+                t.rows(&heads_idx(1), true, &b("ssm_a"), path)?
+            } else {
+                t
+            };
+            let a_log = t.dense()?.reshape(&[-1])?.negative()?.log()?;
+            out.weights.insert(format!("{la}.A_log"), a_log, out.file);
+            out.types.push((format!("{la}.A_log"), ty));
+        }
+        if let Some((t, ty)) = tensors.take(&b("ssm_out.weight")) {
+            let t = if tiled {
+                let perm: Vec<i32> = (0..nv).map(|h| (h % r) * nk + h / r).collect();
+                t.column_blocks(&perm, dv, &b("ssm_out.weight"), path)?
+            } else {
+                t
+            };
+            out.put(&format!("{la}.out_proj"), t, &ty, "weight");
+        }
+    }
+    let moe = family != Family::Qwen35;
+    let experts = if moe {
+        k.opt("expert_count")?.unwrap_or(0)
+    } else {
+        0
+    };
+    let mut c = Map::new();
+    c.insert("hidden_size".into(), json!(hidden));
+    c.insert("num_hidden_layers".into(), json!(layers));
+    c.insert(
+        "intermediate_size".into(),
+        json!(k.opt("feed_forward_length")?.unwrap_or(0)),
+    );
+    c.insert("num_attention_heads".into(), json!(heads));
+    c.insert("num_key_value_heads".into(), json!(kv_heads));
+    c.insert("head_dim".into(), json!(head_dim));
+    c.insert("vocab_size".into(), json!(vocab));
+    c.insert("rms_norm_eps".into(), json!(eps));
+    if let Some(ctx) = context {
+        c.insert("max_position_embeddings".into(), json!(ctx));
+    }
+    c.insert("linear_num_key_heads".into(), json!(nk));
+    c.insert("linear_num_value_heads".into(), json!(nv));
+    c.insert("linear_key_head_dim".into(), json!(dk));
+    c.insert("linear_value_head_dim".into(), json!(dv));
+    c.insert(
+        "linear_conv_kernel_dim".into(),
+        json!(k.need("ssm.conv_kernel")?),
+    );
+    c.insert("full_attention_interval".into(), json!(interval));
+    c.insert("tie_word_embeddings".into(), json!(tied));
+    if experts > 0 {
+        let used = k.need("expert_used_count")?;
+        if used > experts {
+            return Err(bad(
+                path,
+                format!(
+                    "metadata `{}` ({used}) exceeds `{}` ({experts})",
+                    k.key("expert_used_count"),
+                    k.key("expert_count")
+                ),
+            ));
+        }
+        c.insert("num_experts".into(), json!(experts));
+        c.insert("num_experts_per_tok".into(), json!(used));
+        c.insert(
+            "moe_intermediate_size".into(),
+            json!(k.need("expert_feed_forward_length")?),
+        );
+        c.insert(
+            "shared_expert_intermediate_size".into(),
+            json!(k.opt("expert_shared_feed_forward_length")?.unwrap_or(0)),
+        );
+        // llama.cpp renormalizes the top-k weights of these models always.
+        c.insert("norm_topk_prob".into(), json!(true));
+    }
+    let partial = rot as f64 / head_dim as f64;
+    if family == Family::Qwen3Next {
+        c.insert("model_type".into(), json!("qwen3_next"));
+        c.insert("rope_theta".into(), json!(theta));
+        c.insert("partial_rotary_factor".into(), json!(partial));
+        c.insert("decoder_sparse_step".into(), json!(1));
+        c.insert("mlp_only_layers".into(), json!(dense_layers));
+        if experts == 0 {
+            c.insert("num_experts".into(), json!(0));
+        }
+        if !fused {
+            c.insert("linear_attention_projections".into(), json!("split"));
+        }
+        return Ok(c);
+    }
+    let sections: Vec<i64> = match meta_ints(k, "rope.dimension_sections")? {
+        Some(s) => s.into_iter().take(3).collect(),
+        None => vec![],
+    };
+    let mut rope = Map::new();
+    rope.insert("type".into(), json!("default"));
+    if !sections.is_empty() {
+        rope.insert("mrope_section".into(), json!(sections));
+    }
+    rope.insert("rope_theta".into(), json!(theta));
+    rope.insert("partial_rotary_factor".into(), json!(partial));
+    c.insert("rope_parameters".into(), Value::Object(rope));
+    let (outer, inner_type) = if family == Family::Qwen35Moe {
+        ("qwen3_5_moe", "qwen3_5_moe_text")
+    } else {
+        ("qwen3_5", "qwen3_5_text")
+    };
+    c.insert("model_type".into(), json!(inner_type));
+    let mut top = Map::new();
+    top.insert("model_type".into(), json!(outer));
+    top.insert("tie_word_embeddings".into(), json!(tied));
+    top.insert("text_config".into(), Value::Object(c));
+    Ok(top)
+}
+
+fn meta_ints(k: &Keys, key: &str) -> Result<Option<Vec<i64>>> {
+    let full = k.key(key);
+    match k.meta.meta.get(&full) {
+        Some(MetaValue::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_i64().ok_or_else(|| {
+                    bad(
+                        k.meta.path,
+                        format!("metadata `{full}` holds a non-integer"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some),
+        Some(_) => Err(bad(
+            k.meta.path,
+            format!("metadata `{full}` is not an array"),
+        )),
+        None => Ok(None),
+    }
+}
+
+/// `nemotron_h`, `nemotron_h_moe`.
+fn nemotron(
+    path: &Path,
+    k: &Keys,
+    family: Family,
+    tensors: &mut Tensors,
+    out: &mut Out,
+) -> Result<Map<String, Value>> {
+    let layers = k.need("block_count")? as usize;
+    let hidden = k.need("embedding_length")?;
+    let heads = k.need("attention.head_count")?;
+    let kv = k.per_layer("attention.head_count_kv", layers)?;
+    let ff = k.per_layer("feed_forward_length", layers)?;
+    let moe = family == Family::NemotronHMoe;
+    let pattern: String = kv
+        .iter()
+        .zip(&ff)
+        .map(|(&kv, &ff)| match (kv, ff) {
+            (0, 0) => 'M',
+            (_, 0) => '*',
+            _ if moe => 'E',
+            _ => '-',
+        })
+        .collect();
+    let kv_heads = kv.iter().copied().max().unwrap_or(0).max(1);
+    let head_dim = k.opt("attention.key_length")?.unwrap_or(hidden / heads);
+    let mamba_heads = k.need("ssm.time_step_rank")?;
+    let inner = k.need("ssm.inner_size")?;
+    let groups = k.need("ssm.group_count")?;
+    if inner % mamba_heads != 0 || inner % groups != 0 {
+        return Err(bad(
+            path,
+            format!(
+                "metadata `{}` ({inner}) must be a multiple of `{}` ({mamba_heads}) and of `{}` ({groups})",
+                k.key("ssm.inner_size"),
+                k.key("ssm.time_step_rank"),
+                k.key("ssm.group_count")
+            ),
+        ));
+    }
+    let eps = match k.float("attention.layer_norm_rms_epsilon")? {
+        Some(e) => e,
+        None => k.float("attention.layer_norm_epsilon")?.unwrap_or(1e-5),
+    };
+    let (tied, vocab) = globals(
+        path,
+        tensors,
+        out,
+        "backbone.embeddings",
+        "backbone.norm_f",
+        "lm_head",
+    )?;
+    let has = |tensors: &Tensors, n: &str| {
+        (0..layers).any(|i| tensors.map.contains_key(&format!("blk.{i}.{n}")))
+    };
+    let conv_bias = has(tensors, "ssm_conv1d.bias");
+    let proj_bias = has(tensors, "ssm_in.bias");
+    let attn_bias = has(tensors, "attn_q.bias");
+    let mlp_bias = has(tensors, "ffn_up.bias");
+    if has(tensors, "ffn_latent_down.weight") {
+        return Err(bad(
+            path,
+            "tensor `ffn_latent_down` (Nemotron 3 Super's latent MoE) is not supported by mlex's nemotron_h",
+        ));
+    }
+    for (i, &kv_i) in kv.iter().enumerate() {
+        let b = |n: &str| format!("blk.{i}.{n}");
+        let l = format!("backbone.layers.{i}");
+        let simple = [
+            ("attn_norm.weight", "norm", "weight"),
+            ("ssm_in.weight", "mixer.in_proj", "weight"),
+            ("ssm_in.bias", "mixer.in_proj", "bias"),
+            ("ssm_conv1d.bias", "mixer.conv1d", "bias"),
+            ("ssm_out.weight", "mixer.out_proj", "weight"),
+            ("ssm_out.bias", "mixer.out_proj", "bias"),
+            ("attn_v.weight", "mixer.v_proj", "weight"),
+            ("attn_output.weight", "mixer.o_proj", "weight"),
+            ("attn_v.bias", "mixer.v_proj", "bias"),
+            ("attn_output.bias", "mixer.o_proj", "bias"),
+            ("ffn_up.weight", "mixer.up_proj", "weight"),
+            ("ffn_down.weight", "mixer.down_proj", "weight"),
+            ("ffn_up.bias", "mixer.up_proj", "bias"),
+            ("ffn_down.bias", "mixer.down_proj", "bias"),
+            ("ffn_gate_inp.weight", "mixer.gate", "weight"),
+            ("ffn_up_exps.weight", "mixer.switch_mlp.fc1", "weight"),
+            ("ffn_down_exps.weight", "mixer.switch_mlp.fc2", "weight"),
+            (
+                "ffn_up_shexp.weight",
+                "mixer.shared_experts.up_proj",
+                "weight",
+            ),
+            (
+                "ffn_down_shexp.weight",
+                "mixer.shared_experts.down_proj",
+                "weight",
+            ),
+        ];
+        for (from, to, suffix) in simple {
+            if let Some((t, ty)) = tensors.take(&b(from)) {
+                out.put(&format!("{l}.{to}"), t, &ty, suffix);
+            }
+        }
+        for (from, h) in [("attn_q", heads), ("attn_k", kv_i)] {
+            for suffix in ["weight", "bias"] {
+                if let Some((t, ty)) = tensors.take(&b(&format!("{from}.{suffix}"))) {
+                    let rows = t.shape()[0];
+                    if h <= 0 || rows as i64 % (2 * h) != 0 {
+                        return Err(bad(
+                            path,
+                            format!(
+                                "tensor `blk.{i}.{from}.{suffix}`: {rows} rows do not split into {h} heads of pairs"
+                            ),
+                        ));
+                    }
+                    let to = if from == "attn_q" { "q_proj" } else { "k_proj" };
+                    out.put(
+                        &format!("{l}.mixer.{to}"),
+                        t.rows(
+                            &unpermute(rows, h as i32),
+                            true,
+                            &b(&format!("{from}.{suffix}")),
+                            path,
+                        )?,
+                        &ty,
+                        suffix,
+                    );
+                }
+            }
+        }
+        let flat =
+            |name: &str, to: &str, out: &mut Out, tensors: &mut Tensors, log: bool| -> Result<()> {
+                if let Some((t, ty)) = tensors.take(&b(name)) {
+                    let mut a = t.dense()?.reshape(&[-1])?;
+                    if log {
+                        a = a.negative()?.log()?;
+                    }
+                    out.weights.insert(format!("{l}.{to}"), a, out.file);
+                    out.types.push((format!("{l}.{to}"), ty));
+                }
+                Ok(())
+            };
+        flat("ssm_a", "mixer.A_log", out, tensors, true)?;
+        flat("ssm_d", "mixer.D", out, tensors, false)?;
+        flat("ssm_dt.bias", "mixer.dt_bias", out, tensors, false)?;
+        flat("ssm_norm.weight", "mixer.norm.weight", out, tensors, false)?;
+        flat(
+            "exp_probs_b.bias",
+            "mixer.gate.e_score_correction_bias",
+            out,
+            tensors,
+            false,
+        )?;
+        if let Some((t, ty)) = tensors.take(&b("ssm_conv1d.weight")) {
+            out.put(
+                &format!("{l}.mixer.conv1d"),
+                t.map(|a| Ok(a.expand_dims(-1)?))?,
+                &ty,
+                "weight",
+            );
+        }
+    }
+    let mut c = Map::new();
+    c.insert("model_type".into(), json!("nemotron_h"));
+    c.insert("vocab_size".into(), json!(vocab));
+    c.insert("hidden_size".into(), json!(hidden));
+    c.insert("num_hidden_layers".into(), json!(layers));
+    c.insert("hybrid_override_pattern".into(), json!(pattern));
+    c.insert("num_attention_heads".into(), json!(heads));
+    c.insert("num_key_value_heads".into(), json!(kv_heads));
+    c.insert("head_dim".into(), json!(head_dim));
+    c.insert("attention_bias".into(), json!(attn_bias));
+    c.insert("mamba_num_heads".into(), json!(mamba_heads));
+    c.insert("mamba_head_dim".into(), json!(inner / mamba_heads));
+    c.insert("mamba_proj_bias".into(), json!(proj_bias));
+    c.insert("use_bias".into(), json!(proj_bias));
+    c.insert("ssm_state_size".into(), json!(k.need("ssm.state_size")?));
+    c.insert("conv_kernel".into(), json!(k.need("ssm.conv_kernel")?));
+    c.insert("n_groups".into(), json!(groups));
+    c.insert("use_conv_bias".into(), json!(conv_bias));
+    c.insert("mlp_bias".into(), json!(mlp_bias));
+    c.insert("layer_norm_epsilon".into(), json!(eps));
+    c.insert("tie_word_embeddings".into(), json!(tied));
+    let dense_ff = ff.iter().copied().max().unwrap_or(0);
+    c.insert("intermediate_size".into(), json!(dense_ff));
+    // llama.cpp writes 2^20 here whatever the model was trained for; it is
+    // kept as the context limit (the model has no positional encoding).
+    if let Some(ctx) = k.opt("context_length")? {
+        c.insert("max_position_embeddings".into(), json!(ctx));
+    }
+    if moe {
+        let experts = k.need("expert_count")?;
+        let used = k.need("expert_used_count")?;
+        if used > experts {
+            return Err(bad(
+                path,
+                format!(
+                    "metadata `{}` ({used}) exceeds `{}` ({experts})",
+                    k.key("expert_used_count"),
+                    k.key("expert_count")
+                ),
+            ));
+        }
+        c.insert("n_routed_experts".into(), json!(experts));
+        c.insert("num_experts_per_tok".into(), json!(used));
+        c.insert(
+            "moe_intermediate_size".into(),
+            json!(k.need("expert_feed_forward_length")?),
+        );
+        c.insert(
+            "moe_shared_expert_intermediate_size".into(),
+            json!(k.opt("expert_shared_feed_forward_length")?.unwrap_or(0)),
+        );
+        c.insert(
+            "n_shared_experts".into(),
+            json!(k.opt("expert_shared_count")?.unwrap_or(1)),
+        );
+        c.insert(
+            "norm_topk_prob".into(),
+            json!(k.flag("expert_weights_norm").unwrap_or(false)),
+        );
+        c.insert(
+            "routed_scaling_factor".into(),
+            json!(k.float("expert_weights_scale")?.unwrap_or(1.0)),
+        );
+        c.insert(
+            "n_group".into(),
+            json!(k.opt("expert_group_count")?.unwrap_or(1)),
+        );
+        c.insert(
+            "topk_group".into(),
+            json!(k.opt("expert_group_used_count")?.unwrap_or(1)),
+        );
+    }
+    Ok(c)
+}

@@ -1384,7 +1384,7 @@ def q8_0_affine(value: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray, np.
     )
 
 
-def make_hybrid_gguf_fixture(out: Path, family: str, kind: str) -> dict:
+def make_hybrid_gguf_fixture(out: Path, family: str, kind: str, variant: str = "") -> dict:
     """A tiny hybrid GGUF in llama.cpp's layout (gguf_hybrid.hf_to_gguf on
     the HF layout of a random mlx-lm model). The reference is mlx-lm on the
     gguf package's dequantization mapped back (gguf_hybrid.gguf_to_mlx):
@@ -1392,7 +1392,7 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str) -> dict:
     file's blocks exactly in float16, the precision mlex computes such a
     file in (recurrent layers carry float16 rounding along the sequence, so
     a float32 reference would be a test of float16, not of the layout)."""
-    name = f"gguf-{family}-{kind}"
+    name = f"gguf-{family}-{variant}-{kind}" if variant else f"gguf-{family}-{kind}"
     make_cfg, to_hf = HYBRID_GGUF[family]
     cfg = make_cfg()
     model = random_model(cfg, seed_for(f"gguf_{family}"))
@@ -1423,13 +1423,13 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str) -> dict:
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
 
-    gguf_hybrid.write_hybrid_gguf(gguf_file, cfg, hf, qtype, file_type, add_vocab)
+    gguf_hybrid.write_hybrid_gguf(gguf_file, cfg, hf, qtype, file_type, add_vocab, variant=variant)
     # Files that are wrong in one metadata key, for the error tests.
     broken = {
         "nemotron_h": ("attention.head_count_kv", lambda w, a: w.add_array(f"{a}.attention.head_count_kv", [0, 0, 2])),
         "qwen3_5": ("ssm.time_step_rank", lambda w, a: w.add_ssm_time_step_rank(3)),
     }
-    if family in broken and kind == "q8_0":
+    if family in broken and kind == "q8_0" and not variant:
         key, edit = broken[family]
         gguf_hybrid.write_hybrid_gguf(path / f"broken-{key}.gguf", cfg, hf, qtype, file_type, add_vocab, edit)
     dequantized = {
@@ -1488,7 +1488,9 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str) -> dict:
         f"{name}/model.gguf",
         f"llama.cpp's {gguf_hybrid.gguf_arch(cfg)} layout (xtask/py/gguf_hybrid.py: offset norms +1, ssm_a = -exp(A_log), "
         "squeezed convs, split qkvz / tiled value heads / permuted q,k as the converter does), "
-        f"{kind.upper()} 2-D/3-D tensors, F32 norms, routers and convs. Reference: {reference} ({name}/dequantized)",
+        f"{kind.upper()} 2-D/3-D tensors, F32 norms, routers and convs"
+        + (f"; variant `{variant}` (see gguf_hybrid.VARIANTS)" if variant else "")
+        + f". Reference: {reference} ({name}/dequantized)",
         **reference_facts(ref),
     )
 
@@ -1666,6 +1668,10 @@ def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
         Fixture(f"gguf-{fam}-{kind}", lambda out, fam=fam, kind=kind: [make_hybrid_gguf_fixture(out, fam, kind)])
         for fam in HYBRID_GGUF
         for kind in ("f32", "q8_0")
+    ]
+    fixtures += [
+        Fixture(f"gguf-{fam}-{v}-f32", lambda out, fam=fam, v=v: [make_hybrid_gguf_fixture(out, fam, "f32", v)])
+        for v, fam in gguf_hybrid.VARIANTS.items()
     ]
     if smollm2_gguf is not None:
         fixtures.append(Fixture("smollm2-export", lambda out: make_smollm2_fixtures(out, smollm2_gguf)))

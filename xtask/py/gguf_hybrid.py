@@ -177,8 +177,21 @@ def stack_hf_experts(hf: dict[str, np.ndarray], root: str) -> dict[str, np.ndarr
     return out
 
 
-def hf_to_gguf(cfg: dict, hf: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
-    """GGUF tensor names and float32 values, as the converter makes them."""
+VARIANTS = {
+    # llama.cpp before 2026-01-11 (506bb6e01): Qwen3-Next's in_proj_qkvz
+    # stored whole as ssm_in, and no full_attention_interval key.
+    "legacy": "qwen3_next",
+    # --fuse-gate-up-exps (since 2026-02-26): ffn_gate_up_exps [E, 2F, H].
+    "fused": "qwen3_5_moe",
+    # Since 2026-05-16 the converter keeps Qwen3.5's multi-token-prediction
+    # block as an extra blk.L (block_count counts it) with nextn.* tensors.
+    "mtp": "qwen3_5",
+}
+
+
+def hf_to_gguf(cfg: dict, hf: dict[str, np.ndarray], variant: str = "") -> list[tuple[str, np.ndarray]]:
+    """GGUF tensor names and float32 values, as the converter makes them
+    (``variant``: one of VARIANTS, an older or optional layout)."""
     t = text_of(cfg)
     family = cfg["model_type"]
     nemotron = family == "nemotron_h"
@@ -202,15 +215,41 @@ def hf_to_gguf(cfg: dict, hf: dict[str, np.ndarray]) -> list[tuple[str, np.ndarr
         if nemotron:
             v = nemotron_tensor(cfg, rest, v)
         else:
-            pieces = qwen_tensor(t, family, rest, v)
+            pieces = qwen_tensor(t, family, rest, v, variant)
             for gname, value in pieces:
                 out.append((f"blk.{bid}.{gname}", value))
             continue
         out.append((f"blk.{bid}.{table[rest]}", v))
+    if variant == "fused":
+        names = dict(out)
+        for bid in range(t["num_hidden_layers"]):
+            gate = names.pop(f"blk.{bid}.ffn_gate_exps.weight")
+            up = names.pop(f"blk.{bid}.ffn_up_exps.weight")
+            names[f"blk.{bid}.ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+        out = sorted(names.items())
+    if variant == "mtp":
+        out += mtp_block(t)
     return out
 
 
-def qwen_tensor(t: dict, family: str, rest: str, v: np.ndarray) -> list[tuple[str, np.ndarray]]:
+def mtp_block(t: dict) -> list[tuple[str, np.ndarray]]:
+    """A random multi-token-prediction block as the converter writes it:
+    a full-attention layer at blk.L plus its nextn.* tensors."""
+    rng = np.random.default_rng(7)
+    L, h, hd = t["num_hidden_layers"], t["hidden_size"], t["head_dim"]
+    nh, nkv, f = t["num_attention_heads"], t["num_key_value_heads"], t["intermediate_size"]
+    shapes = {
+        "attn_norm.weight": (h,), "post_attention_norm.weight": (h,),
+        "attn_q.weight": (2 * nh * hd, h), "attn_k.weight": (nkv * hd, h), "attn_v.weight": (nkv * hd, h),
+        "attn_output.weight": (h, nh * hd), "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
+        "ffn_gate.weight": (f, h), "ffn_up.weight": (f, h), "ffn_down.weight": (h, f),
+        "nextn.eh_proj.weight": (h, 2 * h), "nextn.enorm.weight": (h,), "nextn.hnorm.weight": (h,),
+        "nextn.shared_head_norm.weight": (h,),
+    }
+    return [(f"blk.{L}.{n}", rng.standard_normal(s).astype(np.float32) / 8) for n, s in shapes.items()]
+
+
+def qwen_tensor(t: dict, family: str, rest: str, v: np.ndarray, variant: str = "") -> list[tuple[str, np.ndarray]]:
     nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
     dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
     r = nv // nk
@@ -234,6 +273,8 @@ def qwen_tensor(t: dict, family: str, rest: str, v: np.ndarray) -> list[tuple[st
         v = v.squeeze()
     elif rest.endswith("norm.weight") and not rest.endswith("linear_attn.norm.weight"):
         v = v + 1
+    if rest == "linear_attn.in_proj_qkvz.weight" and variant == "legacy":
+        return [("ssm_in.weight", v)]
     if rest == "linear_attn.in_proj_qkvz.weight":
         split = [dk, dk, r * dv, r * dv]
         x = v.T.reshape(v.shape[1], nk, sum(split))
@@ -271,7 +312,7 @@ def tensor_type(name: str, value: np.ndarray, qtype) -> "gguf.GGMLQuantizationTy
     return qtype
 
 
-def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_type, add_vocab, edit=None) -> None:
+def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_type, add_vocab, edit=None, variant: str = "") -> None:
     """A GGUF of ``cfg``'s hybrid with the converter's metadata keys;
     ``edit(writer, arch)`` may then overwrite some (for broken files)."""
     t = text_of(cfg)
@@ -311,7 +352,9 @@ def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_ty
         rope = t.get("rope_parameters") or {}
         theta = rope.get("rope_theta", t.get("rope_theta"))
         prf = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
-        w.add_block_count(t["num_hidden_layers"])
+        w.add_block_count(t["num_hidden_layers"] + (variant == "mtp"))
+        if variant == "mtp":
+            w.add_nextn_predict_layers(1)
         w.add_context_length(t["max_position_embeddings"])
         w.add_embedding_length(t["hidden_size"])
         w.add_feed_forward_length(t["intermediate_size"])
@@ -333,7 +376,8 @@ def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_ty
         w.add_ssm_group_count(t["linear_num_key_heads"])
         w.add_ssm_time_step_rank(t["linear_num_value_heads"])
         w.add_ssm_inner_size(t["linear_value_head_dim"] * t["linear_num_value_heads"])
-        w.add_full_attention_interval(t.get("full_attention_interval", 4))
+        if variant != "legacy":
+            w.add_full_attention_interval(t.get("full_attention_interval", 4))
         w.add_rope_dimension_count(int(t["head_dim"] * prf))
     if cfg["model_type"] == "nemotron_h":
         w.add_vocab_size(t["vocab_size"])
@@ -342,7 +386,7 @@ def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_ty
     add_vocab(w)
     if edit is not None:
         edit(w, arch)
-    for name, value in hf_to_gguf(cfg, hf):
+    for name, value in hf_to_gguf(cfg, hf, variant):
         ty = tensor_type(name, value, qtype)
         if ty == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, value.astype(np.float32))
@@ -374,7 +418,10 @@ def gguf_to_mlx(cfg: dict, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarr
         "output.weight": f"{prefix}lm_head.weight",
     }
     out: dict[str, np.ndarray] = {}
+    layers = t["num_hidden_layers"]
     for name, v in tensors.items():
+        if re.fullmatch(rf"blk\.(\d+)\..*", name) and int(name.split(".")[1]) >= layers:
+            continue  # a multi-token-prediction block
         if name in global_names:
             out[global_names[name]] = v
             continue
@@ -407,6 +454,11 @@ def qwen_inverse(t: dict, family: str, rest: str, v: np.ndarray, gate):
     dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
     r = nv // nk
     q_k = 2 * nk * dk
+    if rest == "ssm_in.weight":
+        return [("linear_attn.in_proj_qkvz.weight", v)]
+    if rest == "ffn_gate_up_exps.weight":
+        half = v.shape[1] // 2
+        return [("mlp.switch_mlp.gate_proj.weight", v[:, :half]), ("mlp.switch_mlp.up_proj.weight", v[:, half:])]
     hf = {v_: k for k, v_ in QWEN_LAYER.items()}[rest]
     if family == "qwen3_next":
         if rest == "attn_gate.weight":

@@ -36,6 +36,15 @@ fn the_seeds_are_accepted() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../fuzz/corpus/{t}/{n}"))
     };
     mlex_models::gguf::validate_gguf(&seed("gguf_header", "tiny.gguf")).unwrap();
+    // The hybrid seeds convert whole, so mutations start inside those paths.
+    for n in [
+        "hybrid-qwen35moe.gguf",
+        "hybrid-nemotron_h_moe.gguf",
+        "hybrid-qwen3next-legacy.gguf",
+    ] {
+        let c = mlex_models::gguf::load(&seed("gguf_header", n)).unwrap();
+        assert!(!c.weights.names().is_empty(), "{n}");
+    }
     mlex_core::weights::validate_safetensors(&seed("safetensors_header", "tiny.safetensors"))
         .unwrap();
     // The index that describes the harness's two shards loads them both.

@@ -1342,6 +1342,23 @@ def qwen3_5_moe_gguf_config() -> dict:
     return cfg
 
 
+def hybrid_k_config(family: str) -> dict:
+    """The family's GGUF config with every quantized projection's input a
+    multiple of 256 (K-quant super-blocks), heads of 64."""
+    cfg = HYBRID_GGUF[family][0]()
+    if family == "qwen3_5":
+        cfg["text_config"].update(
+            hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            linear_key_head_dim=64, linear_value_head_dim=64,
+        )
+    else:
+        cfg.update(
+            hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            mamba_num_heads=4, mamba_head_dim=64, moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
+        )
+    return cfg
+
+
 # GGUF family -> (config, mlx-lm -> HF layout). Qwen3-Next with every layer
 # MoE (llama.cpp's qwen3next has no dense MLP layers and always renormalizes
 # the top-k weights).
@@ -1394,7 +1411,7 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str, variant: str = "
     a float32 reference would be a test of float16, not of the layout)."""
     name = f"gguf-{family}-{variant}-{kind}" if variant else f"gguf-{family}-{kind}"
     make_cfg, to_hf = HYBRID_GGUF[family]
-    cfg = make_cfg()
+    cfg = hybrid_k_config(family) if kind in K_QUANTS else make_cfg()
     model = random_model(cfg, seed_for(f"gguf_{family}"))
     params = get_total_parameters(model)
     weights = dict(tree_flatten(model.parameters()))
@@ -1423,7 +1440,8 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str, variant: str = "
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
 
-    gguf_hybrid.write_hybrid_gguf(gguf_file, cfg, hf, qtype, file_type, add_vocab, variant=variant)
+    encode = (lambda v: quantize_k(v.reshape(-1, v.shape[-1]), kind).reshape(*v.shape[:-1], -1)) if kind in K_QUANTS else None
+    gguf_hybrid.write_hybrid_gguf(gguf_file, cfg, hf, qtype, file_type, add_vocab, variant=variant, encode=encode)
     # Files that are wrong in one metadata key, for the error tests.
     broken = {
         "nemotron_h": ("attention.head_count_kv", lambda w, a: w.add_array(f"{a}.attention.head_count_kv", [0, 0, 2])),
@@ -1466,7 +1484,11 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str, variant: str = "
         ref_model.load_weights(list(arrays.items()), strict=True)
         quant = {"bits": 8, "group_size": 32}
     else:
+        # F32, and the K-quants (Q4_K/Q5_K are exact affine with float32
+        # scales in mlex, computed in float32).
         ref_model.load_weights([(k, mx.array(v)) for k, v in mapped.items()], strict=True)
+        if kind in K_QUANTS:
+            quant = {"bits": int(kind[1]), "group_size": 32}
     deq_dir = path / "dequantized"
     deq_dir.mkdir()
     save_model(deq_dir, ref_model)
@@ -1476,13 +1498,13 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str, variant: str = "
     summarize(name, params, ref)
     reference = (
         "mlx-lm on the gguf package's float32 dequantization mapped back"
-        if kind == "f32"
+        if kind != "q8_0"
         else "mlx-lm with 8-bit affine layers (group 32, float16 scales) holding the file's Q8_0 blocks, mapped back"
     )
     return manifest_entry(
         name,
         cfg["model_type"],
-        "float32" if kind == "f32" else "float16",
+        "float16" if kind == "q8_0" else "float32",
         quant,
         "gguf",
         f"{name}/model.gguf",
@@ -1668,6 +1690,11 @@ def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
         Fixture(f"gguf-{fam}-{kind}", lambda out, fam=fam, kind=kind: [make_hybrid_gguf_fixture(out, fam, kind)])
         for fam in HYBRID_GGUF
         for kind in ("f32", "q8_0")
+    ]
+    # Q4_K_M is what most published GGUFs are.
+    fixtures += [
+        Fixture(f"gguf-{fam}-q4_k", lambda out, fam=fam: [make_hybrid_gguf_fixture(out, fam, "q4_k")])
+        for fam in ("qwen3_5", "nemotron_h_moe")
     ]
     fixtures += [
         Fixture(f"gguf-{fam}-{v}-f32", lambda out, fam=fam, v=v: [make_hybrid_gguf_fixture(out, fam, "f32", v)])

@@ -312,9 +312,11 @@ def tensor_type(name: str, value: np.ndarray, qtype) -> "gguf.GGMLQuantizationTy
     return qtype
 
 
-def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_type, add_vocab, edit=None, variant: str = "") -> None:
+def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_type, add_vocab, edit=None, variant: str = "", encode=None) -> None:
     """A GGUF of ``cfg``'s hybrid with the converter's metadata keys;
-    ``edit(writer, arch)`` may then overwrite some (for broken files)."""
+    ``edit(writer, arch)`` may then overwrite some (for broken files);
+    ``encode(value)`` gives the bytes of a quantized tensor where the gguf
+    package has no encoder (the K-quants)."""
     t = text_of(cfg)
     arch = gguf_arch(cfg)
     w = gguf.GGUFWriter(str(path), arch)
@@ -392,6 +394,8 @@ def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_ty
             w.add_tensor(name, value.astype(np.float32))
         elif ty == gguf.GGMLQuantizationType.F16:
             w.add_tensor(name, value.astype(np.float16))
+        elif encode is not None:
+            w.add_tensor(name, encode(value), raw_dtype=ty)
         else:
             w.add_tensor(name, gguf.quants.quantize(value, ty), raw_dtype=ty)
     w.write_header_to_file()

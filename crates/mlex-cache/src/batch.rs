@@ -17,7 +17,7 @@
 //! ([`BatchKvCache::select_rows`]). mlx-lm's `BatchKVCache` uses the same
 //! left-padded layout but filters rows (a copy) on every departure.
 
-use crate::kv::{no_fixed_state, KV_STEP};
+use crate::kv::KV_STEP;
 use mlex_core::cache::{AttentionMask, Cache, CacheTensors, KvAccess};
 use mlex_core::error::{Error, Result};
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
@@ -267,13 +267,6 @@ impl Cache for BatchKvCache {
     fn grows(&self) -> bool {
         true
     }
-    fn state(&self) -> Vec<Array> {
-        Vec::new()
-    }
-    fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
-        no_fixed_state(state)
-    }
-    fn advance(&mut self, _n: usize) {}
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
         Some(self)
     }

@@ -45,14 +45,6 @@ fn full_cache_mask(n: usize) -> AttentionMask {
 }
 
 /// KV caches keep no fixed-size state.
-pub(crate) fn no_fixed_state(state: Vec<Array>) -> Result<()> {
-    if state.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::Cache("a KV cache has no fixed-size state".into()))
-    }
-}
-
 fn meta_usize(meta: &BTreeMap<String, String>, key: &str) -> Result<usize> {
     meta.get(key)
         .and_then(|v| v.parse().ok())
@@ -169,13 +161,6 @@ impl Cache for KvCache {
     fn grows(&self) -> bool {
         true
     }
-    fn state(&self) -> Vec<Array> {
-        Vec::new()
-    }
-    fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
-        no_fixed_state(state)
-    }
-    fn advance(&mut self, _n: usize) {}
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
         Some(self)
     }
@@ -253,13 +238,6 @@ impl Cache for ConcatKvCache {
     fn grows(&self) -> bool {
         true
     }
-    fn state(&self) -> Vec<Array> {
-        Vec::new()
-    }
-    fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
-        no_fixed_state(state)
-    }
-    fn advance(&mut self, _n: usize) {}
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
         Some(self)
     }
@@ -496,13 +474,6 @@ impl Cache for RotatingKvCache {
     fn grows(&self) -> bool {
         true
     }
-    fn state(&self) -> Vec<Array> {
-        Vec::new()
-    }
-    fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
-        no_fixed_state(state)
-    }
-    fn advance(&mut self, _n: usize) {}
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
         Some(self)
     }

@@ -15,11 +15,10 @@
 pub mod batch;
 pub mod kv;
 pub mod prompt;
-pub mod restore;
+mod restore;
 pub mod state;
 
 pub use batch::BatchKvCache;
 pub use kv::{ConcatKvCache, KvCache, RotatingKvCache};
 pub use prompt::{PrefixHit, PromptCache, StateSnapshot};
-pub use restore::cache_from_tensors;
 pub use state::{conv_window_step, StateCache, StateSpec};

@@ -19,7 +19,6 @@
 //! Bounded by entries and by bytes (least recently used goes first); saved
 //! to and loaded from a safetensors file carrying a model fingerprint.
 
-use crate::restore::cache_from_tensors;
 use mlex_core::cache::{Cache, CacheTensors};
 use mlex_core::error::{Error, Result};
 use mlex_core::model::ModelCache;
@@ -439,7 +438,7 @@ impl PromptCache {
                 let a = arrays.remove(&n).expect("listed");
                 t.arrays.insert(n[dotted.len()..].to_owned(), a);
             }
-            cache_from_tensors(&c.kind, &t)
+            mlex_core::registry::restore_cache(&c.kind, &t)
         };
         for (ei, e) in header.entries.into_iter().enumerate() {
             let mut layers = Vec::new();

@@ -1,22 +1,39 @@
-//! Rebuilding caches from their saved form, by kind name.
+//! The built-in cache kinds' registrations: how each is rebuilt from its
+//! saved form ([`mlex_core::registry::restore_cache`] looks them up, with
+//! any a downstream crate registers).
 
 use crate::kv::{KvCache, RotatingKvCache};
 use crate::state::StateCache;
-use mlex_core::cache::{Cache, CacheTensors};
-use mlex_core::error::{Error, Result};
 
-/// Rebuilds a cache saved with [`Cache::to_tensors`] from its kind name.
-pub fn cache_from_tensors(kind: &str, t: &CacheTensors) -> Result<Box<dyn Cache>> {
-    Ok(match kind {
-        "kv" | "concat_kv" => Box::new(KvCache::from_tensors(t)?),
-        "rotating_kv" => Box::new(RotatingKvCache::from_tensors(t)?),
-        "gated_delta" => Box::new(StateCache::from_tensors("gated_delta", t)?),
-        "mamba2" => Box::new(StateCache::from_tensors("mamba2", t)?),
-        "conv_window" => Box::new(StateCache::from_tensors("conv_window", t)?),
-        other => {
-            return Err(Error::Cache(format!(
-                "unknown cache kind `{other}` in saved cache"
-            )))
-        }
-    })
-}
+mlex_core::register_cache_kind!(
+    "kv",
+    "attention keys and values, growing per token (step-allocated)",
+    |t| Ok(Box::new(KvCache::from_tensors(t)?))
+);
+// The naive concatenating cache saves what a plain one holds, and comes
+// back as a plain one.
+mlex_core::register_cache_kind!(
+    "concat_kv",
+    "keys and values concatenated each step (reference); restored as `kv`",
+    |t| Ok(Box::new(KvCache::from_tensors(t)?))
+);
+mlex_core::register_cache_kind!(
+    "rotating_kv",
+    "sliding-window keys and values (a ring of the last W tokens)",
+    |t| Ok(Box::new(RotatingKvCache::from_tensors(t)?))
+);
+mlex_core::register_cache_kind!(
+    "gated_delta",
+    "Gated DeltaNet conv window and f32 recurrent state (fixed size)",
+    |t| Ok(Box::new(StateCache::from_tensors("gated_delta", t)?))
+);
+mlex_core::register_cache_kind!(
+    "mamba2",
+    "Mamba2 conv window and f32 SSM state (fixed size)",
+    |t| Ok(Box::new(StateCache::from_tensors("mamba2", t)?))
+);
+mlex_core::register_cache_kind!(
+    "conv_window",
+    "canon convolution windows (fixed size)",
+    |t| Ok(Box::new(StateCache::from_tensors("conv_window", t)?))
+);

@@ -34,11 +34,36 @@ pub fn main() -> ExitCode {
     let cli = args::Cli::parse();
     let result = commands::run(cli);
     if let Err(e) = &result {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", for_the_command_line(e));
     }
     match result {
         _ if interrupt::requested() => ExitCode::from(130),
         Ok(()) => ExitCode::SUCCESS,
         Err(_) => ExitCode::FAILURE,
+    }
+}
+
+/// The libraries name what was wrong in their own terms
+/// (`SamplerConfig.top_p`, `model`); on the command line that is an option.
+pub(crate) fn for_the_command_line(e: &mlex_core::error::Error) -> String {
+    const OPTIONS: [(&str, &str); 9] = [
+        ("SamplerConfig.temp", "--temp"),
+        ("SamplerConfig.top_p", "--top-p"),
+        ("SamplerConfig.top_k", "--top-k"),
+        ("SamplerConfig.min_p", "--min-p"),
+        ("SamplerConfig.repetition_penalty", "--repetition-penalty"),
+        ("SamplerConfig.logit_bias", "--logit-bias"),
+        ("model", "--model"),
+        ("quantization", "--quantize"),
+        ("host/port", "--host/--port"),
+    ];
+    match e {
+        mlex_core::error::Error::InvalidArgument { name, message } => {
+            match OPTIONS.iter().find(|(lib, _)| lib == name) {
+                Some((_, option)) => format!("invalid {option}: {message}"),
+                None => e.to_string(),
+            }
+        }
+        _ => e.to_string(),
     }
 }

@@ -67,15 +67,28 @@ pub trait Cache: Send {
     /// True for caches that gain a row per token.
     fn grows(&self) -> bool;
 
-    /// The fixed-size state arrays (empty for growing caches).
-    fn state(&self) -> Vec<Array>;
+    /// The fixed-size state arrays (empty, the default, for growing caches).
+    fn state(&self) -> Vec<Array> {
+        Vec::new()
+    }
 
-    /// Replaces the fixed-size state (same count and shapes as [`Cache::state`]).
-    fn set_state(&mut self, state: Vec<Array>) -> Result<()>;
+    /// Replaces the fixed-size state (same count and shapes as
+    /// [`Cache::state`]); the default takes only an empty state.
+    fn set_state(&mut self, state: Vec<Array>) -> Result<()> {
+        if state.is_empty() {
+            Ok(())
+        } else {
+            Err(crate::error::Error::Cache(format!(
+                "a `{}` cache has no fixed-size state, got {} arrays",
+                self.kind(),
+                state.len()
+            )))
+        }
+    }
 
     /// Records that `n` tokens went through (fixed-size caches; growing
-    /// caches count in `update_and_fetch`).
-    fn advance(&mut self, n: usize);
+    /// caches count in `update_and_fetch`, and keep this no-op default).
+    fn advance(&mut self, _n: usize) {}
 
     /// Eager KV access (growing caches only).
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {

@@ -1,15 +1,20 @@
 //! The registry of architectures and layer kinds, on `inventory`.
 //!
 //! Users see one macro per thing ([`register_architecture!`],
-//! [`register_layer_kind!`]); any crate linked into the binary can use them,
-//! ours or not. [`Registry::from_inventory`] collects every registration and
-//! fails loudly, naming both origins, when two share a name; it can list
-//! everything it holds with where each came from.
+//! [`register_layer_kind!`], [`register_cache_kind!`]); any crate linked
+//! into the binary can use them, ours or not. [`Registry::from_inventory`]
+//! collects every registration and fails loudly, naming both origins, when
+//! two share a name; it can list everything it holds with where each came
+//! from. A saved cache is rebuilt by its kind's registered constructor
+//! ([`restore_cache`]), so a downstream layer kind's state round-trips
+//! through a saved prompt cache like the built-in kinds' do.
 //!
 //! [`register_architecture!`]: crate::register_architecture
 //! [`register_layer_kind!`]: crate::register_layer_kind
+//! [`register_cache_kind!`]: crate::register_cache_kind
 
 use crate::arch::Architecture;
+use crate::cache::{Cache, CacheTensors};
 use crate::error::{Error, Result};
 use crate::layer::LayerKind;
 use std::collections::BTreeMap;
@@ -35,8 +40,67 @@ pub struct LayerKindEntry {
     pub build: fn() -> Box<dyn LayerKind>,
 }
 
+/// A cache-kind registration (made by [`crate::register_cache_kind!`]):
+/// how a cache saved with [`Cache::to_tensors`] is rebuilt.
+pub struct CacheKindEntry {
+    /// The kind name ([`Cache::kind`]).
+    pub name: &'static str,
+    /// The registering module.
+    pub origin: &'static str,
+    /// One-line description (for `mlex list`).
+    pub summary: &'static str,
+    /// Rebuilds a saved cache of this kind.
+    pub restore: fn(&CacheTensors) -> Result<Box<dyn Cache>>,
+}
+
 inventory::collect!(ArchitectureEntry);
 inventory::collect!(LayerKindEntry);
+inventory::collect!(CacheKindEntry);
+
+/// Registers how a saved cache of a kind is rebuilt:
+/// `register_cache_kind!("kv", "attention keys and values", |t| Ok(Box::new(KvCache::from_tensors(t)?)));`
+#[macro_export]
+macro_rules! register_cache_kind {
+    ($name:literal, $summary:literal, $restore:expr) => {
+        $crate::inventory::submit! {
+            $crate::registry::CacheKindEntry {
+                name: $name,
+                origin: module_path!(),
+                summary: $summary,
+                restore: $restore,
+            }
+        }
+    };
+}
+
+/// Rebuilds a cache saved with [`Cache::to_tensors`] through its kind's
+/// registration; an unknown kind is an error listing the known ones, and a
+/// kind registered twice an error naming both origins.
+pub fn restore_cache(kind: &str, tensors: &CacheTensors) -> Result<Box<dyn Cache>> {
+    let mut found = inventory::iter::<CacheKindEntry>
+        .into_iter()
+        .filter(|e| e.name == kind);
+    let Some(entry) = found.next() else {
+        let mut known: Vec<&str> = inventory::iter::<CacheKindEntry>
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        known.sort_unstable();
+        return Err(Error::Cache(format!(
+            "unknown cache kind `{kind}` in a saved cache (registered: {}); the crate that registers it must be linked",
+            known.join(", ")
+        )));
+    };
+    if let Some(other) = found.next() {
+        return Err(Error::DuplicateRegistration {
+            what: "cache kind",
+            name: kind.to_owned(),
+            first: entry.origin.to_owned(),
+            second: other.origin.to_owned(),
+        });
+    }
+    (entry.restore)(tensors)
+}
 
 /// Registers an architecture under its `model_type`:
 /// `register_architecture!("llama", Llama);`
@@ -81,12 +145,14 @@ struct Slot<T: ?Sized> {
 pub struct Registry {
     archs: BTreeMap<String, Slot<dyn Architecture>>,
     kinds: BTreeMap<String, Slot<dyn LayerKind>>,
+    /// Cache kinds by name: (origin, summary).
+    caches: BTreeMap<String, (String, String)>,
 }
 
 /// One line of [`Registry::list`].
 #[derive(Clone, Debug)]
 pub struct Listing {
-    /// `architecture` or `layer kind`.
+    /// `architecture`, `layer kind` or `cache kind`.
     pub what: &'static str,
     /// Registered name.
     pub name: String,
@@ -128,6 +194,20 @@ impl Registry {
                 )));
             }
             r.add_layer_kind(Arc::from(kind), e.origin)?;
+        }
+        for e in inventory::iter::<CacheKindEntry> {
+            if let Some((prev, _)) = r.caches.get(e.name) {
+                return Err(Error::DuplicateRegistration {
+                    what: "cache kind",
+                    name: e.name.to_owned(),
+                    first: prev.clone(),
+                    second: e.origin.to_owned(),
+                });
+            }
+            r.caches.insert(
+                e.name.to_owned(),
+                (e.origin.to_owned(), e.summary.to_owned()),
+            );
         }
         Ok(r)
     }
@@ -223,6 +303,12 @@ impl Registry {
             name: name.clone(),
             origin: s.origin.clone(),
             summary: s.item.summary().to_owned(),
+        }));
+        out.extend(self.caches.iter().map(|(name, (origin, summary))| Listing {
+            what: "cache kind",
+            name: name.clone(),
+            origin: origin.clone(),
+            summary: summary.clone(),
         }));
         out
     }

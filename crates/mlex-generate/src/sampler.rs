@@ -46,48 +46,49 @@ impl Default for SamplerConfig {
 }
 
 impl SamplerConfig {
-    /// Checks every value; errors name the command-line option.
+    /// Checks every value; errors name the field (`SamplerConfig.top_p`),
+    /// which the CLI shows as its option (`--top-p`).
     pub fn validate(&self, vocab: usize) -> Result<()> {
         if !self.temp.is_finite() || self.temp < 0.0 {
             return Err(Error::invalid(
-                "--temp",
+                "SamplerConfig.temp",
                 format!("{} (must be a finite number ≥ 0)", self.temp),
             ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(Error::invalid(
-                "--top-p",
+                "SamplerConfig.top_p",
                 format!("{} (must be in (0, 1])", self.top_p),
             ));
         }
         if self.top_k > vocab {
             return Err(Error::invalid(
-                "--top-k",
+                "SamplerConfig.top_k",
                 format!("{} (the vocabulary has {vocab} tokens)", self.top_k),
             ));
         }
         if !(0.0..1.0).contains(&self.min_p) {
             return Err(Error::invalid(
-                "--min-p",
+                "SamplerConfig.min_p",
                 format!("{} (must be in [0, 1))", self.min_p),
             ));
         }
         if !self.repetition_penalty.is_finite() || self.repetition_penalty <= 0.0 {
             return Err(Error::invalid(
-                "--repetition-penalty",
+                "SamplerConfig.repetition_penalty",
                 format!("{} (must be > 0)", self.repetition_penalty),
             ));
         }
         for (id, b) in &self.logit_bias {
             if *id as usize >= vocab {
                 return Err(Error::invalid(
-                    "--logit-bias",
+                    "SamplerConfig.logit_bias",
                     format!("token {id} is outside the vocabulary of {vocab}"),
                 ));
             }
             if !b.is_finite() && *b != f32::NEG_INFINITY {
                 return Err(Error::invalid(
-                    "--logit-bias",
+                    "SamplerConfig.logit_bias",
                     format!("bias {b} for token {id} is not a number"),
                 ));
             }
@@ -308,42 +309,42 @@ mod tests {
                     temp: -1.0,
                     ..Default::default()
                 },
-                "--temp",
+                "SamplerConfig.temp",
             ),
             (
                 SamplerConfig {
                     top_p: 0.0,
                     ..Default::default()
                 },
-                "--top-p",
+                "SamplerConfig.top_p",
             ),
             (
                 SamplerConfig {
                     top_k: 99,
                     ..Default::default()
                 },
-                "--top-k",
+                "SamplerConfig.top_k",
             ),
             (
                 SamplerConfig {
                     min_p: 1.5,
                     ..Default::default()
                 },
-                "--min-p",
+                "SamplerConfig.min_p",
             ),
             (
                 SamplerConfig {
                     repetition_penalty: 0.0,
                     ..Default::default()
                 },
-                "--repetition-penalty",
+                "SamplerConfig.repetition_penalty",
             ),
             (
                 SamplerConfig {
                     logit_bias: vec![(6, 1.0)],
                     ..Default::default()
                 },
-                "--logit-bias",
+                "SamplerConfig.logit_bias",
             ),
         ];
         for (cfg, name) in bad {

@@ -142,7 +142,7 @@ impl Tokenizer {
                 &path,
                 std::io::Error::new(
                     std::io::ErrorKind::NotFound,
-                    "no tokenizer.json in the model directory (use --prompt-ids, or add a tokenizer)",
+                    "no tokenizer.json in the model directory (give token ids instead, or add a tokenizer)",
                 ),
             ));
         }

@@ -101,7 +101,7 @@ pub fn resolve(spec: &str) -> Result<(ModelSource, ModelOrigin)> {
             Ok((ModelSource::Gguf(p.to_owned()), ModelOrigin::Local))
         } else {
             Err(Error::invalid(
-                "--model",
+                "model",
                 format!(
                     "{spec} is a file but not a .gguf; pass a checkpoint directory or a .gguf file"
                 ),
@@ -123,7 +123,7 @@ pub fn resolve(spec: &str) -> Result<(ModelSource, ModelOrigin)> {
         return Ok((source, origin));
     }
     Err(Error::invalid(
-        "--model",
+        "model",
         format!(
             "`{spec}` does not exist (expected a directory, a .gguf file or an org/name repo id)"
         ),

@@ -26,7 +26,7 @@ pub fn quantize(
     spec.validate("quantize", &model.config)?;
     if !model.quantization.is_none() {
         return Err(Error::invalid(
-            "--quantize",
+            "quantization",
             "the model is already quantized",
         ));
     }
@@ -58,7 +58,7 @@ pub fn quantize(
     }
     if packed == 0 {
         return Err(Error::invalid(
-            "--quantize",
+            "quantization",
             format!("no weight of this model can be quantized with group size {group_size}"),
         ));
     }

@@ -654,9 +654,7 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
     let served = rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
             .await
-            .map_err(|e| {
-                Error::invalid("--host/--port", format!("{}:{}: {e}", cfg.host, cfg.port))
-            })?;
+            .map_err(|e| Error::invalid("host/port", format!("{}:{}: {e}", cfg.host, cfg.port)))?;
         let addr = listener
             .local_addr()
             .map_err(|e| Error::Other(format!("bound address: {e}")))?;

@@ -5,12 +5,21 @@
 //! - a new architecture, `toy_ext`, whose layers alternate the new kind
 //!   with mlex's own `attention` kind.
 //!
-//! Both register with one macro each; linking this crate is enough for
+//! - a stateful layer kind, `ema`: `x + out(h_t)` with the per-channel
+//!   moving average `h_t = a * h_{t-1} + (1 - a) * x_t`, `a = sigmoid(decay)`,
+//!   whose state lives in a cache kind of its own, `ema`, registered with
+//!   [`mlex_core::register_cache_kind!`] so that a saved prompt cache
+//!   restores it;
+//! - `toy_ema`, whose layers alternate `ema` and `attention`.
+//!
+//! Each registers with one macro; linking this crate is enough for
 //! `mlex_models::registry()` to show them. The crate's binary,
 //! `mlex-example` (`src/main.rs`), is the whole `mlex` CLI in three lines
 //! (`mlex_cli::main()`), so `mlex-example list` and `mlex-example generate`
 //! see them too; the shipped `mlex` binary does not link this crate.
 
+use mlex_cache::StateCache;
+use mlex_cache::StateSpec;
 use mlex_core::arch::{Architecture, HeadPlan, LayerPlan, ModelPlan};
 use mlex_core::cache::Cache;
 use mlex_core::config::ModelConfig;
@@ -18,6 +27,7 @@ use mlex_core::error::Result;
 use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
 use mlex_core::nn::{Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
 use serde_json::{json, Value};
 
@@ -111,5 +121,98 @@ impl Architecture for ToyExt {
     }
 }
 
+/// The `ema` layer: a per-channel exponential moving average, mixed back
+/// through a linear map.
+pub struct Ema {
+    hidden: i32,
+    decay: ParamId,
+    out: Linear,
+}
+
+/// The `ema` kind.
+pub struct EmaKind;
+
+impl LayerKind for EmaKind {
+    fn name(&self) -> &'static str {
+        "ema"
+    }
+    fn state(&self) -> StateKind {
+        StateKind::Fixed
+    }
+    fn summary(&self) -> &'static str {
+        "example: x + out(h), h a per-channel moving average of x kept in an `ema` cache (registered from mlex-example-ext)"
+    }
+    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>> {
+        let hidden = ctx.cfg_i32("hidden_size")?;
+        Ok(Box::new(Ema {
+            hidden,
+            decay: ctx.weights.take(&ctx.path("decay"), &[hidden])?,
+            out: Linear::load(ctx.weights, &ctx.path("out"), hidden, hidden, false)?,
+        }))
+    }
+}
+
+impl Layer for Ema {
+    fn kind(&self) -> &str {
+        "ema"
+    }
+    fn params(&self) -> Vec<ParamId> {
+        let mut v = vec![self.decay];
+        v.extend(self.out.params());
+        v
+    }
+    fn grows(&self) -> bool {
+        false
+    }
+    fn make_caches(&self, batch: usize, _dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
+        let spec = StateSpec::new("h", &[batch as i32, self.hidden], Dtype::Float32);
+        Ok(vec![Box::new(StateCache::zeros("ema", &[spec])?)])
+    }
+    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+        let a = ops::sigmoid(p.get(self.decay)?)?;
+        let one_minus = ops::subtract(Array::from_f32(1.0), &a)?;
+        let mut h = state[0].clone();
+        let mut ys = Vec::new();
+        for t in 0..x.shape()[1] {
+            let xt = x.index((.., t, ..)).as_dtype(Dtype::Float32)?;
+            h = ops::add(ops::multiply(&a, &h)?, ops::multiply(&one_minus, &xt)?)?;
+            ys.push(h.clone());
+        }
+        state[0] = h;
+        let hs = ops::stack(&ys, 1)?.as_dtype(x.dtype())?;
+        Ok(vec![ops::add(x, self.out.forward(p, &hs)?)?])
+    }
+}
+
+/// The `toy_ema` architecture: `ema` and `attention` layers in turn.
+pub struct ToyEma;
+
+impl Architecture for ToyEma {
+    fn name(&self) -> &str {
+        "toy_ema"
+    }
+    fn summary(&self) -> &str {
+        "example: ema and attention layers in turn (registered from mlex-example-ext)"
+    }
+    fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
+        let mut plan = ToyExt.plan(config)?;
+        for (i, l) in plan.layers.iter_mut().enumerate() {
+            if i % 2 == 0 {
+                l.kind = "ema".to_owned();
+            }
+        }
+        Ok(plan)
+    }
+}
+
 mlex_core::register_layer_kind!("gated_mlp", GatedMlpKind);
 mlex_core::register_architecture!("toy_ext", ToyExt);
+mlex_core::register_layer_kind!("ema", EmaKind);
+mlex_core::register_architecture!("toy_ema", ToyEma);
+// Without this, a prompt cache saved with an `ema` layer could not be
+// loaded: the cache kind names the constructor that rebuilds it.
+mlex_core::register_cache_kind!(
+    "ema",
+    "example: the ema layer's moving average (registered from mlex-example-ext)",
+    |t| Ok(Box::new(StateCache::from_tensors("ema", t)?))
+);

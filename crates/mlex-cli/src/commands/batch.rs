@@ -236,7 +236,12 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
                     }
                     Err(e) => {
                         failed += 1;
-                        let msg = format!("{}:{}: {e}", file.display(), o.index + 1);
+                        let msg = format!(
+                            "{}:{}: {}",
+                            file.display(),
+                            o.index + 1,
+                            crate::for_the_command_line(&e)
+                        );
                         print(
                             o.index,
                             json!({"index": o.index, "error": msg}),

@@ -15,7 +15,7 @@ pub fn run(a: ListArgs, registry: &Registry) -> Result<()> {
         println!("{}", json!({ "registered": v }));
         return Ok(());
     }
-    for what in ["architecture", "layer kind"] {
+    for what in ["architecture", "layer kind", "cache kind"] {
         println!("{what}s:");
         for l in items.iter().filter(|l| l.what == what) {
             println!("  {:<18} {}  [{}]", l.name, l.summary, l.origin);

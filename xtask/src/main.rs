@@ -32,6 +32,7 @@ commands:
   test           setup, cargo fmt --check, clippy -D warnings, fixtures, the whole test suite
   fixtures       make the parity fixtures with mlx-lm (and the NumPy DharaAR reference)
   demo [PROMPT]  answer PROMPT with the bundled default model (SmolLM2-135M-Instruct)
+  codegen        regenerate docs/architectures.md from the registry (a test checks it is fresh)
   bench-compare  mlex bench and mlx-lm side by side on the same checkpoints (CPU)
   bench-vs-mlxlm [ARGS]
                  mlex vs mlx-lm, alternating fresh runs, median ratios per shape/weights/prompt
@@ -67,6 +68,7 @@ fn run() -> Result<()> {
         "plot" => plot::plot(rest),
         "fixtures" => fixtures::fixtures().map(|p| eprintln!("xtask: fixtures in {}", p.display())),
         "demo" => demo(rest),
+        "codegen" => codegen(),
         "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())
@@ -113,6 +115,34 @@ fn test(_args: &[String]) -> Result<()> {
     ])?;
     fixtures::fixtures()?;
     cargo(&["test", "--workspace"])?;
+    Ok(())
+}
+
+/// docs/architectures.md, from `mlex list --markdown` (the registry of the
+/// shipped binary, without `$MLEX_ARCH_PATH`).
+fn codegen() -> Result<()> {
+    setup::setup()?;
+    cargo(&["build", "-p", "mlex-cli"])?;
+    let target = workspace_root().join(
+        std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("target")),
+    );
+    let mlex = target.join("debug/mlex");
+    let out = Command::new(&mlex)
+        .args(["list", "--markdown"])
+        .env_remove("MLEX_ARCH_PATH")
+        .output()
+        .with_context(|| format!("cannot run {}", mlex.display()))?;
+    if !out.status.success() {
+        bail!(
+            "`mlex list --markdown` failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let file = workspace_root().join("docs/architectures.md");
+    std::fs::write(&file, &out.stdout)?;
+    eprintln!("xtask: wrote {}", file.display());
     Ok(())
 }
 

@@ -60,3 +60,29 @@ fn no_test_skips_a_missing_fixture() {
         .iter()
         .any(|f| f.ends_with("crates/mlex-models/tests/parity.rs")));
 }
+
+/// Every library crate denies missing docs, so an undocumented public item
+/// fails the build (the test command builds every crate), not only clippy.
+#[test]
+fn every_library_crate_denies_missing_docs() {
+    // Bindgen output, and helpers that only tests link.
+    let exempt = ["crates/mlx-sys", "crates/mlex-testkit"];
+    let mut checked = 0;
+    for dir in ["crates", "examples"] {
+        for e in std::fs::read_dir(root().join(dir)).unwrap() {
+            let krate = e.unwrap().path();
+            let lib = krate.join("src/lib.rs");
+            let rel = krate.strip_prefix(root()).unwrap().display().to_string();
+            if !lib.is_file() || exempt.contains(&rel.as_str()) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&lib).unwrap();
+            assert!(
+                text.contains("#![deny(missing_docs)]"),
+                "{rel}/src/lib.rs must have #![deny(missing_docs)]"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 11, "only {checked} library crates found");
+}

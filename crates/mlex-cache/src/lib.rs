@@ -10,7 +10,7 @@
 //!   f32 recurrent state, Mamba2 conv + SSM state, canon conv windows);
 //! - [`prompt::PromptCache`]: prefix reuse that works for hybrids through
 //!   snapshots of recurrent state, with LRU bounds and safetensors files.
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod batch;
 pub mod kv;

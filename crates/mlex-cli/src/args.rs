@@ -299,6 +299,10 @@ pub struct ListArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,
+    /// Print the registry as the Markdown of docs/architectures.md
+    /// (`cargo xtask codegen` writes that file with it).
+    #[arg(long, conflicts_with = "format")]
+    pub markdown: bool,
 }
 
 #[derive(Args, Debug)]

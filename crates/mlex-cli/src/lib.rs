@@ -10,7 +10,7 @@
 //! # mod my_layers {}
 //! ```
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod args;
 mod commands;

@@ -1446,3 +1446,23 @@ fn bad_gguf_and_tokenizers() {
         "{e}"
     );
 }
+
+/// docs/architectures.md is what `mlex list --markdown` prints now.
+#[test]
+fn the_generated_architecture_docs_are_fresh() {
+    let out = mlex()
+        .args(["list", "--markdown"])
+        .env_remove("MLEX_ARCH_PATH")
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/architectures.md");
+    let committed = std::fs::read_to_string(&file).unwrap_or_default();
+    assert!(
+        committed == String::from_utf8_lossy(&out),
+        "{} is stale: run `cargo xtask codegen`",
+        file.display()
+    );
+}

@@ -6,7 +6,7 @@
 //! passes through each compiled segment explicitly, weights enter as inputs
 //! (never frozen constants), and traces are rebuilt when the weight
 //! structure changes ([`trace`], [`decoder`]).
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod decoder;
 pub mod schedule;

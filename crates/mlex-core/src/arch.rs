@@ -73,6 +73,13 @@ pub trait Architecture: Send + Sync {
     /// Which layer kinds, with which options and prefixes.
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan>;
 
+    /// The `config.json` keys its typed config reads (for the generated
+    /// `docs/architectures.md`; [`crate::config::struct_fields`] gives them
+    /// for a serde struct). Layer kinds may read more.
+    fn config_keys(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Translates checkpoint names/layouts into the naming the plan uses
     /// (drops unused tensors, fixes conv axis order, norm offsets, ...).
     /// `config` is the top-level config.

@@ -126,3 +126,75 @@ pub fn count(v: i64) -> std::result::Result<i32, String> {
         Err(format!("must be from 1 to {}, got {v}", i32::MAX))
     }
 }
+
+/// The keys a serde struct reads (its field names, after renames), found
+/// by asking its `Deserialize` impl: the generated docs list each
+/// architecture's config keys from its typed config this way, so the list
+/// cannot drift from the struct.
+pub fn struct_fields<T: DeserializeOwned>() -> &'static [&'static str] {
+    struct Fields(std::cell::Cell<&'static [&'static str]>);
+    #[derive(Debug)]
+    struct Stop;
+    impl std::fmt::Display for Stop {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("field names taken")
+        }
+    }
+    impl std::error::Error for Stop {}
+    impl serde::de::Error for Stop {
+        fn custom<M: std::fmt::Display>(_: M) -> Self {
+            Stop
+        }
+    }
+    impl<'de> serde::Deserializer<'de> for &Fields {
+        type Error = Stop;
+        fn deserialize_any<V: serde::de::Visitor<'de>>(
+            self,
+            _: V,
+        ) -> std::result::Result<V::Value, Stop> {
+            Err(Stop)
+        }
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _name: &'static str,
+            fields: &'static [&'static str],
+            _visitor: V,
+        ) -> std::result::Result<V::Value, Stop> {
+            self.0.set(fields);
+            Err(Stop)
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string
+            bytes byte_buf option unit unit_struct newtype_struct seq tuple
+            tuple_struct map enum identifier ignored_any
+        }
+    }
+    let d = Fields(std::cell::Cell::new(&[]));
+    let _ = T::deserialize(&d);
+    d.0.get()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::struct_fields;
+
+    #[derive(serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Example {
+        hidden_size: i32,
+        #[serde(rename = "n_layer")]
+        layers: usize,
+        #[serde(default)]
+        tie: bool,
+    }
+
+    #[test]
+    fn struct_fields_are_the_keys_serde_reads() {
+        assert_eq!(
+            struct_fields::<Example>(),
+            ["hidden_size", "n_layer", "tie"]
+        );
+        // Not a struct: no fields.
+        assert!(struct_fields::<Vec<i32>>().is_empty());
+    }
+}

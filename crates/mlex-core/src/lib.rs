@@ -13,7 +13,7 @@
 //! - [`params`]: weights by id, so compiled traces take them as inputs;
 //! - [`model::Model`]: the generic decoder every architecture builds;
 //! - [`error::Error`]: the one error type (MLX exceptions included).
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod arch;
 pub mod cache;

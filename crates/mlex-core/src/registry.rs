@@ -160,6 +160,9 @@ pub struct Listing {
     pub origin: String,
     /// One-line summary.
     pub summary: String,
+    /// The config keys an architecture's typed config reads (empty for
+    /// the other kinds of entry).
+    pub config_keys: Vec<String>,
 }
 
 impl Registry {
@@ -296,6 +299,7 @@ impl Registry {
                 name: name.clone(),
                 origin: s.origin.clone(),
                 summary: s.item.summary().to_owned(),
+                config_keys: s.item.config_keys(),
             })
             .collect();
         out.extend(self.kinds.iter().map(|(name, s)| Listing {
@@ -303,12 +307,14 @@ impl Registry {
             name: name.clone(),
             origin: s.origin.clone(),
             summary: s.item.summary().to_owned(),
+            config_keys: Vec::new(),
         }));
         out.extend(self.caches.iter().map(|(name, (origin, summary))| Listing {
             what: "cache kind",
             name: name.clone(),
             origin: origin.clone(),
             summary: summary.clone(),
+            config_keys: Vec::new(),
         }));
         out
     }

@@ -5,7 +5,7 @@
 //! saved under `fuzz/corpus/<target>/` and `fuzz/regressions/<target>/` on
 //! stable, so whatever fuzzing found stays fixed.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 use mlex_generate::{ChatTemplate, Message, Tokenizer};
 use std::path::{Path, PathBuf};

@@ -7,7 +7,7 @@
 //! [`generate::Generator`] (the pipelined decode loop with prompt-cache
 //! reuse and compiled segments) and [`batch::BatchGenerator`] (continuous
 //! batching: many sequences in one forward).
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod batch;
 pub mod chat;

@@ -13,7 +13,7 @@
 //!   hashed and removed again when it does not match;
 //! - `HF_TOKEN` (then the cached token file), `HF_ENDPOINT` and
 //!   `HF_HUB_OFFLINE=1` are honoured, and a 401 names `HF_TOKEN`.
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 use mlex_core::error::{Error, Result};
 use sha2::{Digest, Sha256};

@@ -13,7 +13,7 @@
 //! CUDA, Metal) and the sequence length, from measurements recorded in
 //! `docs/BENCHMARKS.md`.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod cuda;
 pub mod gated_delta;

@@ -10,7 +10,7 @@
 //! the bundled TOML architectures and those named by `$MLEX_ARCH_PATH`;
 //! [`load::load`] finds and loads a model (directory, `.gguf`, or a Hugging
 //! Face repo id in the local cache).
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod gguf;
 pub mod gguf_file;

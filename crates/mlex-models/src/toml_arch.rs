@@ -159,6 +159,9 @@ impl Architecture for TomlArchitecture {
     fn text_config(&self, config: &ModelConfig) -> Result<ModelConfig> {
         self.base.text_config(config)
     }
+    fn config_keys(&self) -> Vec<String> {
+        self.base.config_keys()
+    }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let mut plan = self.base.plan(config)?;
         let mut base_options: BTreeMap<String, Value> = BTreeMap::new();

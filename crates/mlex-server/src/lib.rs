@@ -22,7 +22,7 @@
 //!   request.
 //!
 //! The request fields honoured and refused are listed in [`api`].
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod api;
 pub mod engine;

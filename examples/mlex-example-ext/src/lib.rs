@@ -18,6 +18,8 @@
 //! (`mlex_cli::main()`), so `mlex-example list` and `mlex-example generate`
 //! see them too; the shipped `mlex` binary does not link this crate.
 
+#![deny(missing_docs)]
+
 use mlex_cache::StateCache;
 use mlex_cache::StateSpec;
 use mlex_core::arch::{Architecture, HeadPlan, LayerPlan, ModelPlan};

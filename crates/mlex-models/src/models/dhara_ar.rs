@@ -90,6 +90,9 @@ impl Architecture for DharaAr {
     fn summary(&self) -> &str {
         "DharaAR: GQA decoder with Canon convolutions (A, B, C, D), post-RoPE q/k norms, logit soft-cap"
     }
+    fn config_keys(&self) -> Vec<String> {
+        super::config_keys::<DharaConfig>()
+    }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: DharaConfig = config.parse()?;
         let set: String = c.canon_set.to_uppercase();

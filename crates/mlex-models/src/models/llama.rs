@@ -68,6 +68,9 @@ impl Architecture for Llama {
     fn summary(&self) -> &str {
         "Llama family: GQA attention + SwiGLU MLP (RoPE default/linear/llama3, sliding layers)"
     }
+    fn config_keys(&self) -> Vec<String> {
+        super::config_keys::<LlamaConfig>()
+    }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: LlamaConfig = config.parse()?;
         let layers = (0..c.num_hidden_layers)

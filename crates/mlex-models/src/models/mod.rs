@@ -18,6 +18,16 @@ use mlex_core::weights::WeightMap;
 use mlx_rs::ops;
 use serde_json::Value;
 
+/// The keys of a typed config, for [`Architecture::config_keys`].
+///
+/// [`Architecture::config_keys`]: mlex_core::arch::Architecture::config_keys
+pub(crate) fn config_keys<T: serde::de::DeserializeOwned>() -> Vec<String> {
+    mlex_core::config::struct_fields::<T>()
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect()
+}
+
 /// The plan of `{root}.embed_tokens`, `{root}.layers.{i}`, `{root}.norm`
 /// and `lm_head` (or tied), the layout of llama-family checkpoints.
 #[allow(clippy::too_many_arguments)]

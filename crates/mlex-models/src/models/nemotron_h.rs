@@ -79,6 +79,9 @@ impl Architecture for NemotronH {
     fn summary(&self) -> &str {
         "Nemotron-H hybrid: pattern of Mamba2 (M), attention (*), ReLU² MLP (-) and MoE (E) layers"
     }
+    fn config_keys(&self) -> Vec<String> {
+        super::config_keys::<NemotronHConfig>()
+    }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: NemotronHConfig = config.parse()?;
         let layers = pattern(config, &c)?

@@ -54,6 +54,9 @@ impl Architecture for Qwen2 {
     fn summary(&self) -> &str {
         "Qwen2/2.5: GQA attention with q/k/v biases + SwiGLU MLP"
     }
+    fn config_keys(&self) -> Vec<String> {
+        super::config_keys::<Qwen2Config>()
+    }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: Qwen2Config = config.parse()?;
         let o = json!({

@@ -65,6 +65,9 @@ impl Architecture for Qwen3 {
     fn summary(&self) -> &str {
         "Qwen3 dense: GQA attention with q/k norms + SwiGLU MLP"
     }
+    fn config_keys(&self) -> Vec<String> {
+        super::config_keys::<Qwen3Config>()
+    }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: Qwen3Config = config.parse()?;
         let (theta, scaling) = qwen3_rope(

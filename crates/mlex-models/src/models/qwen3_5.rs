@@ -110,6 +110,12 @@ impl Architecture for Qwen35 {
         }
         Ok(ModelConfig::new(with_defaults(text), config.file()))
     }
+    fn config_keys(&self) -> Vec<String> {
+        // Read from `text_config` when the config has one.
+        let mut keys = super::config_keys::<Qwen35TextConfig>();
+        keys.push("text_config".to_owned());
+        keys
+    }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: Qwen35TextConfig = config.parse()?;
         let rp = &c.rope_parameters;

@@ -52,6 +52,9 @@ impl Architecture for Qwen3Moe {
     fn summary(&self) -> &str {
         "Qwen3 MoE: qwen3 attention + softmax top-k SwiGLU experts"
     }
+    fn config_keys(&self) -> Vec<String> {
+        super::config_keys::<Qwen3MoeConfig>()
+    }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: Qwen3MoeConfig = config.parse()?;
         let (theta, scaling) = qwen3_rope(

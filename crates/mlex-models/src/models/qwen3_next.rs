@@ -78,6 +78,9 @@ impl Architecture for Qwen3Next {
     fn summary(&self) -> &str {
         "Qwen3-Next hybrid: Gated DeltaNet + gated attention (every 4th), MLP or MoE with shared expert"
     }
+    fn config_keys(&self) -> Vec<String> {
+        super::config_keys::<Qwen3NextConfig>()
+    }
     fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
         let c: Qwen3NextConfig = config.parse()?;
         let layout = match c.linear_attention_projections {

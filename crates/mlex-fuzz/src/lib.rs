@@ -34,7 +34,15 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("config_json", config_json),
     ("tokenizer_json", tokenizer_json),
     ("chat_template", chat_template),
+    ("arch_toml", arch_toml),
 ];
+
+/// A TOML architecture file (`mlex --arch-file`, `$MLEX_ARCH_PATH`),
+/// parsed and checked against the registry (`mlex_models::build_registry`).
+pub fn arch_toml(data: &[u8]) {
+    let f = scratch("arch.toml", data);
+    let _ = mlex_models::build_registry(std::slice::from_ref(&f.path));
+}
 
 /// A GGUF file end to end (`mlex_models::gguf::load`): header and
 /// metadata checks, every tensor's conversion (K-quants included) and the

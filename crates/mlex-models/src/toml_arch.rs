@@ -35,7 +35,7 @@ use std::sync::Arc;
 #[serde(deny_unknown_fields)]
 struct Spec {
     name: String,
-    base: String,
+    base: toml::Spanned<String>,
     summary: Option<String>,
     layers: LayersSpec,
     #[serde(default)]
@@ -45,7 +45,7 @@ struct Spec {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct LayersSpec {
-    pattern: Vec<String>,
+    pattern: toml::Spanned<Vec<toml::Spanned<String>>>,
     mlp: Option<String>,
 }
 
@@ -58,6 +58,15 @@ pub struct TomlArchitecture {
     mlp: Option<String>,
     options: BTreeMap<String, Value>,
     file: PathBuf,
+}
+
+/// `file:line:column` of byte `offset` in `text` (both 1-based, columns in
+/// characters), as compilers print locations.
+fn location(file: &Path, text: &str, offset: usize) -> String {
+    let before = text.get(..offset.min(text.len())).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
+    format!("{}:{line}:{column}", file.display())
 }
 
 fn config_error(file: &Path, key: &str, message: impl Into<String>) -> Error {
@@ -73,42 +82,47 @@ impl TomlArchitecture {
     /// `registry`.
     pub fn parse(text: &str, file: &Path, registry: &Registry) -> Result<Self> {
         let spec: Spec = toml::from_str(text).map_err(|e| {
-            let key = e
+            let at = e
                 .span()
-                .map(|s| {
-                    let line = text[..s.start.min(text.len())].lines().count().max(1);
-                    format!("line {line}")
-                })
-                .unwrap_or_else(|| "(document)".into());
-            config_error(file, &key, e.message())
+                .map(|s| location(file, text, s.start))
+                .unwrap_or_else(|| file.display().to_string());
+            config_error(Path::new(&at), "architecture spec", e.message())
         })?;
-        if spec.layers.pattern.is_empty() {
+        let pattern_at = location(file, text, spec.layers.pattern.span().start);
+        let pattern: Vec<toml::Spanned<String>> = spec.layers.pattern.into_inner();
+        if pattern.is_empty() {
             return Err(config_error(
-                file,
+                Path::new(&pattern_at),
                 "layers.pattern",
                 "must name at least one layer kind",
             ));
         }
-        for (i, kind) in spec.layers.pattern.iter().enumerate() {
-            registry.layer_kind(kind).map_err(|e| match e {
-                Error::UnknownLayerKind { kind, known, .. } => Error::UnknownLayerKind {
-                    kind,
-                    context: Some(format!("{}: layers.pattern[{i}]", file.display())),
+        for (i, kind) in pattern.iter().enumerate() {
+            registry.layer_kind(kind.get_ref()).map_err(|e| match e {
+                Error::UnknownLayerKind { kind: k, known, .. } => Error::UnknownLayerKind {
+                    kind: k,
+                    context: Some(format!(
+                        "{}: layers.pattern[{i}]",
+                        location(file, text, kind.span().start)
+                    )),
                     known,
                 },
                 e => e,
             })?;
         }
-        let base = registry.architecture(&spec.base).map_err(|e| match e {
+        let base_at = location(file, text, spec.base.span().start);
+        let base_name = spec.base.into_inner();
+        let base = registry.architecture(&base_name).map_err(|e| match e {
             Error::UnknownArchitecture {
                 model_type, known, ..
             } => Error::UnknownArchitecture {
                 model_type,
-                file: Some(file.to_owned()),
+                file: Some(PathBuf::from(&base_at)),
                 known,
             },
             e => e,
         })?;
+        let pattern: Vec<String> = pattern.into_iter().map(toml::Spanned::into_inner).collect();
         let options = spec
             .options
             .into_iter()
@@ -119,16 +133,12 @@ impl TomlArchitecture {
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            summary: spec.summary.unwrap_or_else(|| {
-                format!(
-                    "TOML hybrid on {}: {}",
-                    spec.base,
-                    spec.layers.pattern.join(", ")
-                )
-            }),
+            summary: spec
+                .summary
+                .unwrap_or_else(|| format!("TOML hybrid on {base_name}: {}", pattern.join(", "))),
             name: spec.name,
             base,
-            pattern: spec.layers.pattern,
+            pattern,
             mlp: spec.layers.mlp,
             options,
             file: file.to_owned(),

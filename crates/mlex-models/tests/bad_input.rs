@@ -396,7 +396,8 @@ fn malformed_toml_architectures_are_named() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("mine.toml") && e.contains("line"), "{e}");
+    // The unclosed array is reported where the file ends: line 5, column 1.
+    assert!(e.contains("mine.toml:5:1"), "{e}");
     std::fs::write(
         &p,
         "name = \"x\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"warp_drive\"]\n",
@@ -407,7 +408,7 @@ fn malformed_toml_architectures_are_named() {
         .unwrap()
         .to_string();
     assert!(
-        e.contains("warp_drive") && e.contains("mine.toml") && e.contains("gated_delta"),
+        e.contains("warp_drive") && e.contains("mine.toml:4:12") && e.contains("gated_delta"),
         "{e}"
     );
     std::fs::write(
@@ -419,14 +420,28 @@ fn malformed_toml_architectures_are_named() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("nope") && e.contains("mine.toml"), "{e}");
+    assert!(e.contains("nope") && e.contains("mine.toml:2:8"), "{e}");
     std::fs::write(
         &p,
         "name = \"x\"\nbase = \"llama\"\ncolour = \"red\"\n[layers]\npattern = [\"attention\"]\n",
     )
     .unwrap();
+    let e = mlex_models::build_registry(std::slice::from_ref(&p))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("colour") && e.contains("mine.toml:3:1"), "{e}");
+    // An empty pattern points at the empty list.
+    std::fs::write(
+        &p,
+        "name = \"x\"\nbase = \"llama\"\n[layers]\npattern = []\n",
+    )
+    .unwrap();
     let e = mlex_models::build_registry(&[p]).err().unwrap().to_string();
-    assert!(e.contains("colour"), "{e}");
+    assert!(
+        e.contains("mine.toml:4:11") && e.contains("at least one"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -67,24 +67,16 @@ impl SegmentFn {
                 .position(|(l, _)| *l == i)
                 .expect("touched")
         };
-        for phase in &self.phases {
-            match *phase {
-                Phase::Embed => {
-                    carry = vec![self.embed.forward(&p, &carry[0])?];
-                }
-                Phase::Head(i) => {
-                    let k = slot_of(i);
-                    carry = self.layers[k].1.head(&p, &carry[0], &mut states[k])?;
-                }
-                Phase::Tail(i) => {
-                    let k = slot_of(i);
-                    carry = vec![self.layers[k].1.tail(&p, carry, &mut states[k])?];
-                }
-                Phase::Logits => {
-                    carry = vec![self.output.forward(&p, &carry[0])?];
-                }
-            }
-        }
+        carry = run_phases(
+            &self.phases,
+            &p,
+            &self.embed,
+            &self.output,
+            |i| self.layers[slot_of(i)].1.as_ref(),
+            slot_of,
+            &mut states,
+            carry,
+        )?;
         let mut out = carry;
         out.extend(states.into_iter().flatten());
         Ok(out)
@@ -261,6 +253,31 @@ impl SegmentedDecoder {
     }
 }
 
+/// The one interpreter of a segment's phases, run by its compiled trace
+/// and by its eager fallback alike: `layer(i)` is layer `i` of the model,
+/// and `states[slot(i)]` its fixed-size state.
+#[allow(clippy::too_many_arguments)]
+fn run_phases<'a>(
+    phases: &[Phase],
+    p: &Params,
+    embed: &Embedding,
+    output: &OutputHead,
+    layer: impl Fn(usize) -> &'a dyn Layer,
+    slot: impl Fn(usize) -> usize,
+    states: &mut [Vec<Array>],
+    mut carry: Vec<Array>,
+) -> Result<Vec<Array>> {
+    for phase in phases {
+        carry = match *phase {
+            Phase::Embed => vec![embed.forward(p, &carry[0])?],
+            Phase::Head(i) => layer(i).head(p, &carry[0], &mut states[slot(i)])?,
+            Phase::Tail(i) => vec![layer(i).tail(p, carry, &mut states[slot(i)])?],
+            Phase::Logits => vec![output.forward(p, &carry[0])?],
+        };
+    }
+    Ok(carry)
+}
+
 /// Runs a segment's phases eagerly (the same functions the trace runs).
 fn run_eager(
     plan: &SegmentPlan,
@@ -275,22 +292,16 @@ fn run_eager(
         .map(|&i| gather_state(&cache.layers[i]))
         .collect();
     let slot_of = |i: usize| plan.touched.iter().position(|l| *l == i).expect("touched");
-    for phase in &plan.phases {
-        match *phase {
-            Phase::Embed => carry = vec![model.embed.forward(&p, &carry[0])?],
-            Phase::Head(i) => {
-                carry = model.layers[i]
-                    .layer
-                    .head(&p, &carry[0], &mut states[slot_of(i)])?
-            }
-            Phase::Tail(i) => {
-                carry = vec![model.layers[i]
-                    .layer
-                    .tail(&p, carry, &mut states[slot_of(i)])?]
-            }
-            Phase::Logits => carry = vec![model.output.forward(&p, &carry[0])?],
-        }
-    }
+    carry = run_phases(
+        &plan.phases,
+        &p,
+        &model.embed,
+        &model.output,
+        |i| model.layers[i].layer.as_ref(),
+        slot_of,
+        &mut states,
+        carry,
+    )?;
     for (&i, s) in plan.touched.iter().zip(states) {
         scatter_state(&mut cache.layers[i], s)?;
     }

@@ -526,6 +526,7 @@ fn qwen(
         &format!("{prefix}lm_head"),
     )?;
     let tiled = family != Family::Qwen3Next && nk != nv;
+    let attention_bias = tensors.map.keys().any(|n| n.ends_with(".attn_q.bias"));
     let mut fused = false;
     let mut dense_layers = Vec::new();
     for i in 0..blocks {
@@ -768,6 +769,7 @@ fn qwen(
     );
     c.insert("full_attention_interval".into(), json!(interval));
     c.insert("tie_word_embeddings".into(), json!(tied));
+    c.insert("attention_bias".into(), json!(attention_bias));
     if experts > 0 {
         let used = k.need("expert_used_count")?;
         if used > experts {

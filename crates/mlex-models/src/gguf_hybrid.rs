@@ -29,7 +29,7 @@
 //! otherwise that one tensor is dequantized to float32.
 
 use super::{bad, quantization_config, read_tokenizer, GgufCheckpoint, Meta};
-use crate::gguf_file::{self, GgufHeader, MetaValue};
+use crate::gguf_file::{self, GgufHeader, MetaValue, TensorData};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
 use mlex_core::weights::WeightMap;
@@ -75,23 +75,15 @@ impl Family {
     }
 }
 
-/// One tensor as read: dense, or MLX affine (`weight`, `scales`, `biases`).
-enum Tensor {
-    Dense(Array),
-    Affine {
-        weight: Array,
-        scales: Array,
-        biases: Array,
-        bits: i32,
-        group: i32,
-    },
-}
+/// A tensor as [`gguf_file::read_tensor`] gives it; the methods below are
+/// the reorders this module needs.
+type Tensor = TensorData;
 
 fn indices(idx: &[i32]) -> Array {
     Array::from_slice(idx, &[idx.len() as i32])
 }
 
-impl Tensor {
+impl TensorData {
     /// Its logical shape (unpacked).
     fn shape(&self) -> Vec<i32> {
         match self {
@@ -260,6 +252,23 @@ impl Keys<'_> {
             .map_err(|m| bad(self.meta.path, format!("metadata `{key}` {m}")))
     }
 
+    /// `expert_count` and `expert_used_count`, the second at most the first.
+    fn experts(&self) -> Result<(i64, i64)> {
+        let experts = self.need("expert_count")?;
+        let used = self.need("expert_used_count")?;
+        if used > experts {
+            return Err(bad(
+                self.meta.path,
+                format!(
+                    "metadata `{}` ({used}) exceeds `{}` ({experts})",
+                    self.key("expert_used_count"),
+                    self.key("expert_count")
+                ),
+            ));
+        }
+        Ok((experts, used))
+    }
+
     fn float(&self, k: &str) -> Result<Option<f64>> {
         self.meta.f64(&self.key(k))
     }
@@ -373,22 +382,7 @@ pub(super) fn load(
     let mut file = std::fs::File::open(path).map_err(|e| mlex_core::error::Error::io(path, e))?;
     let mut map = BTreeMap::new();
     for t in &header.tensors {
-        let tensor = match gguf_file::read_tensor(&mut file, t, path)? {
-            gguf_file::TensorData::Dense(a) => Tensor::Dense(a),
-            gguf_file::TensorData::Affine {
-                weight,
-                scales,
-                biases,
-                bits,
-                group,
-            } => Tensor::Affine {
-                weight,
-                scales,
-                biases,
-                bits,
-                group,
-            },
-        };
+        let tensor = gguf_file::read_tensor(&mut file, t, path)?;
         if tensor.shape().contains(&0) || tensor.shape().is_empty() {
             return Err(bad(
                 path,
@@ -580,9 +574,7 @@ fn qwen(
                 out.put(&format!("{l}.{to}"), t, &ty, suffix);
             }
         }
-        if !tensors.map.contains_key(&b("ffn_gate_inp.weight"))
-            && !out.weights.contains(&format!("{l}.mlp.gate.weight"))
-        {
+        if !out.weights.contains(&format!("{l}.mlp.gate.weight")) {
             dense_layers.push(i);
         }
         if let Some((t, ty)) = tensors.take(&b("ffn_gate_up_exps.weight")) {
@@ -771,17 +763,7 @@ fn qwen(
     c.insert("tie_word_embeddings".into(), json!(tied));
     c.insert("attention_bias".into(), json!(attention_bias));
     if experts > 0 {
-        let used = k.need("expert_used_count")?;
-        if used > experts {
-            return Err(bad(
-                path,
-                format!(
-                    "metadata `{}` ({used}) exceeds `{}` ({experts})",
-                    k.key("expert_used_count"),
-                    k.key("expert_count")
-                ),
-            ));
-        }
+        let (_, used) = k.experts()?;
         c.insert("num_experts".into(), json!(experts));
         c.insert("num_experts_per_tok".into(), json!(used));
         c.insert(
@@ -810,10 +792,12 @@ fn qwen(
         }
         return Ok(c);
     }
-    let sections: Vec<i64> = match meta_ints(k, "rope.dimension_sections")? {
-        Some(s) => s.into_iter().take(3).collect(),
-        None => vec![],
-    };
+    let sections: Vec<i32> = k
+        .meta
+        .ints(&k.key("rope.dimension_sections"))?
+        .into_iter()
+        .take(3)
+        .collect();
     let mut rope = Map::new();
     rope.insert("type".into(), json!("default"));
     if !sections.is_empty() {
@@ -833,29 +817,6 @@ fn qwen(
     top.insert("tie_word_embeddings".into(), json!(tied));
     top.insert("text_config".into(), Value::Object(c));
     Ok(top)
-}
-
-fn meta_ints(k: &Keys, key: &str) -> Result<Option<Vec<i64>>> {
-    let full = k.key(key);
-    match k.meta.meta.get(&full) {
-        Some(MetaValue::Array(a)) => a
-            .iter()
-            .map(|x| {
-                x.as_i64().ok_or_else(|| {
-                    bad(
-                        k.meta.path,
-                        format!("metadata `{full}` holds a non-integer"),
-                    )
-                })
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(Some),
-        Some(_) => Err(bad(
-            k.meta.path,
-            format!("metadata `{full}` is not an array"),
-        )),
-        None => Ok(None),
-    }
 }
 
 /// `nemotron_h`, `nemotron_h_moe`.
@@ -1048,18 +1009,7 @@ fn nemotron(
         c.insert("max_position_embeddings".into(), json!(ctx));
     }
     if moe {
-        let experts = k.need("expert_count")?;
-        let used = k.need("expert_used_count")?;
-        if used > experts {
-            return Err(bad(
-                path,
-                format!(
-                    "metadata `{}` ({used}) exceeds `{}` ({experts})",
-                    k.key("expert_used_count"),
-                    k.key("expert_count")
-                ),
-            ));
-        }
+        let (experts, used) = k.experts()?;
         c.insert("n_routed_experts".into(), json!(experts));
         c.insert("num_experts_per_tok".into(), json!(used));
         c.insert(

@@ -89,14 +89,7 @@ fn the_external_architecture_builds_and_decodes() {
         );
     }
     let inc = mlx_rs::ops::stack(&rows, 1).unwrap();
-    let d = mlx_rs::ops::abs(mlx_rs::ops::subtract(&inc, &full).unwrap())
-        .unwrap()
-        .max(None)
-        .unwrap()
-        .as_dtype(Dtype::Float32)
-        .unwrap()
-        .try_item_exact::<f32>()
-        .unwrap();
+    let d = max_abs_diff(&inc, &full);
     assert!(d < 1e-4, "incremental vs full: {d}");
 }
 

@@ -96,6 +96,17 @@ fn flag(f: unsafe extern "C" fn(*mut bool) -> i32) -> bool {
     status == 0 && v
 }
 
+/// True when the default device is a CUDA GPU. MLX's CUDA backend lacks
+/// some kernels its CPU and Metal backends have (quantized products with
+/// float32 activations), so a few building blocks pick another form there.
+pub fn default_is_cuda_gpu() -> bool {
+    static CUDA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CUDA.get_or_init(|| flag(mlx_sys::mlx_cuda_is_available))
+        && mlx_rs::Device::try_default()
+            .and_then(|d| d.get_type())
+            .is_ok_and(|t| matches!(t, mlx_rs::DeviceType::Gpu))
+}
+
 /// Asks the loaded MLX library what it runs on.
 pub fn runtime_info() -> Result<RuntimeInfo> {
     ensure_error_handler();

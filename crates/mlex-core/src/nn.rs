@@ -111,6 +111,41 @@ fn dense_override(x: &Array, w: &Array) -> Result<Option<Array>> {
     }
 }
 
+/// True when a quantized product with activations `x` must run on the
+/// dequantized weight: MLX's CUDA backend (0.32) has quantized-matmul
+/// kernels for float32 activations only at some shapes and none for a
+/// gathered (MoE) product, and a GGUF checkpoint's float32 norms make the
+/// activations float32. The dequantized product is exact (the CPU's
+/// numbers) and costs a dequantization of the weight per call.
+pub fn dequantize_for_product(x: &Array) -> bool {
+    x.dtype() == Dtype::Float32 && crate::device::default_is_cuda_gpu()
+}
+
+/// `x @ dequantize(w)^T` for an affine-quantized `[out, in]` weight, with
+/// MLX's quantized kernel where the backend has one for `x`'s dtype (see
+/// [`dequantize_for_product`]).
+pub fn quantized_matmul(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    spec: &QuantSpec,
+) -> Result<Array> {
+    if dequantize_for_product(x) {
+        let dense = ops::dequantize(w, scales, biases, spec.group_size, spec.bits)?;
+        return Ok(ops::matmul(x, dense.as_dtype(x.dtype())?.t())?);
+    }
+    Ok(ops::quantized_matmul(
+        x,
+        w,
+        scales,
+        biases,
+        true,
+        spec.group_size,
+        spec.bits,
+    )?)
+}
+
 impl Linear {
     /// Loads `{prefix}.weight` (+ `.bias`), quantized when `{prefix}.scales`
     /// exists.
@@ -171,15 +206,7 @@ impl Linear {
                 None => dense_matmul(x, w),
             },
             Some(q) => {
-                let y = ops::quantized_matmul(
-                    x,
-                    w,
-                    p.get(q.scales)?,
-                    p.get(q.biases)?,
-                    true,
-                    q.spec.group_size,
-                    q.spec.bits,
-                )?;
+                let y = quantized_matmul(x, w, p.get(q.scales)?, p.get(q.biases)?, &q.spec)?;
                 match self.bias {
                     Some(b) => Ok(ops::add(&y, p.get(b)?)?),
                     None => Ok(y),
@@ -265,15 +292,7 @@ impl Embedding {
         let w = p.get(self.weight)?;
         match &self.quant {
             None => dense_matmul(x, w),
-            Some(q) => Ok(ops::quantized_matmul(
-                x,
-                w,
-                p.get(q.scales)?,
-                p.get(q.biases)?,
-                true,
-                q.spec.group_size,
-                q.spec.bits,
-            )?),
+            Some(q) => quantized_matmul(x, w, p.get(q.scales)?, p.get(q.biases)?, &q.spec),
         }
     }
 }

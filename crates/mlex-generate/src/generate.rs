@@ -188,9 +188,7 @@ impl Generator {
     /// in steps of `prefill_chunk`, evaluating between steps; returns the
     /// last logits. With `snapshots`, the fixed-size state is also recorded
     /// at every absolute multiple of `checkpoint_every` before the end and
-    /// one token before the end (the step is cut there; the snapshot holds
-    /// arrays the next evaluation computes anyway, so it costs their memory,
-    /// not compute). The last one serves the same prompt again: a lookup
+    /// one token before the end (the step is cut and evaluated there). The last one serves the same prompt again: a lookup
     /// needs the last token's logits, so it restores at most `len - 1`
     /// tokens, and without it a repeated hybrid prompt would recompute up to
     /// `checkpoint_every` of them.
@@ -208,10 +206,10 @@ impl Generator {
         let step = self.prefill_chunk.max(1);
         let every = self.checkpoint_every;
         let end = start + ids.len();
-        let (mut pos, mut since_eval) = (start, 0);
+        let mut pos = start;
         let before_last = (snapshots.is_some() && end - start > 1).then_some(end - 1);
         loop {
-            let mut next = (pos + step - since_eval).min(end);
+            let mut next = (pos + step).min(end);
             if snapshots.is_some() && every > 0 {
                 next = next.min((pos / every + 1) * every);
             }
@@ -229,12 +227,14 @@ impl Generator {
                     snaps.push((next, StateSnapshot::of(cache)));
                 }
             }
-            since_eval += next - pos;
-            if since_eval >= step {
-                // Bound the graph: materialise the cache step by step.
-                eval(cache.arrays().iter())?;
-                since_eval = 0;
-            }
+            // Materialise the cache after every piece, cut short at a
+            // checkpoint or not: it bounds the graph, and on MLX's CUDA
+            // backend (0.32.2) one graph that holds two pieces' cache
+            // writes gives wrong logits that change from run to run
+            // (NemotronH on the H200: off by 1-13, greedy tokens changed
+            // at `--checkpoint-every 4`; CUDA graphs off did not help).
+            // The cause is inside MLX; one evaluation per piece avoids it.
+            eval(cache.arrays().iter())?;
             pos = next;
         }
     }

@@ -206,6 +206,12 @@ pub fn prefill(
     let c = chunk.unwrap_or(prompt.len()).max(1);
     let mut last = None;
     for piece in prompt.chunks(c) {
+        if last.is_some() {
+            // As the engine's prefill does: one evaluation per piece (one
+            // graph over several pieces' cache writes is wrong on MLX's
+            // CUDA backend; see `mlex_generate`'s prefill).
+            mlx_rs::transforms::eval(cache.arrays().iter()).unwrap();
+        }
         last = Some(model.forward_last(&tokens(piece), cache).unwrap());
     }
     last.expect("non-empty prompt")

@@ -56,6 +56,17 @@ impl SwitchLinear {
         let w = p.get(self.weight)?;
         Ok(match &self.quant {
             None => ops::gather_mm(x, w.swap_axes(-1, -2)?, None, indices, false)?,
+            Some(q) if mlex_core::nn::dequantize_for_product(x) => {
+                let dense = ops::dequantize(
+                    w,
+                    p.get(q.scales)?,
+                    p.get(q.biases)?,
+                    q.spec.group_size,
+                    q.spec.bits,
+                )?
+                .as_dtype(x.dtype())?;
+                ops::gather_mm(x, dense.swap_axes(-1, -2)?, None, indices, false)?
+            }
             Some(q) => ops::gather_qmm(
                 x,
                 w,

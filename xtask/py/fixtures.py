@@ -57,6 +57,7 @@ from typing import Callable, Optional
 
 import gguf
 import gguf_hybrid
+import mix_ref
 import jinja2
 import mlx.core as mx
 import mlx.nn as nn
@@ -399,9 +400,11 @@ def run_reference(model: nn.Module, prompt: np.ndarray) -> dict[str, mx.array]:
     }
 
 
-def write_reference(model_dir: Path, prompt: np.ndarray, out: Path) -> dict[str, mx.array]:
-    """Load ``model_dir`` with mlx-lm, run the reference, save it to ``out``."""
-    model, _ = load_model(model_dir)
+def write_reference(model_dir: Path, prompt: np.ndarray, out: Path, model: Optional[nn.Module] = None) -> dict[str, mx.array]:
+    """Load ``model_dir`` with mlx-lm (or take ``model``, read back from it
+    by the caller), run the reference, save it to ``out``."""
+    if model is None:
+        model, _ = load_model(model_dir)
     ref = run_reference(model, prompt)
     greedy = ref["greedy"].tolist()
     if len(set(greedy)) < 2:
@@ -504,6 +507,39 @@ def make_mlx_fixture(out: Path, spec: MlxSpec) -> dict:
     summarize(spec.name, params, ref)
     return manifest_entry(
         spec.name, cfg["model_type"], spec.dtype, quant, "mlx", spec.name, spec.notes, **reference_facts(ref)
+    )
+
+
+def make_mix_fixture(out: Path) -> dict:
+    """``hybrid_mix``: a hybrid served by a spec file only
+    (``examples/specs/hybrid_mix.toml``), against a reference composed of
+    mlx-lm's Qwen3-Next and NemotronH layer modules (``mix_ref.py``)."""
+    name = "hybrid_mix-f32"
+    cfg = mix_ref.config()
+    model = mix_ref.MixModel(cfg)
+    model.load_weights(random_parameters(model, seed_for(name)), strict=True)
+    mx.eval(model.parameters())
+    path = reset_dir(out / name)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    # The reference reads the checkpoint back from disk, strictly.
+    ref_model = mix_ref.MixModel(json.loads((path / "config.json").read_text()))
+    ref_model.load_weights(str(path / "model.safetensors"), strict=True)
+    prompt = random_prompt(cfg["vocab_size"])
+    ref = write_reference(path, prompt, path / "reference.safetensors", model=ref_model)
+    summarize(name, get_total_parameters(ref_model), ref)
+    return manifest_entry(
+        name,
+        cfg["model_type"],
+        "float32",
+        None,
+        "mlx",
+        name,
+        "a new mix no Rust knows (G M A G M A: Gated DeltaNet, Mamba2, gated attention; MoE on layers 3 and 5), "
+        "served by examples/specs/hybrid_mix.toml; reference: mlx-lm's Qwen3NextDecoderLayer and NemotronHBlock "
+        "composed in xtask/py/mix_ref.py",
+        arch_dir="examples/specs",
+        **reference_facts(ref),
     )
 
 
@@ -1700,6 +1736,7 @@ def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
         Fixture(f"gguf-{fam}-{v}-f32", lambda out, fam=fam, v=v: [make_hybrid_gguf_fixture(out, fam, "f32", v)])
         for v, fam in gguf_hybrid.VARIANTS.items()
     ]
+    fixtures.append(Fixture("hybrid_mix-f32", lambda out: [make_mix_fixture(out)]))
     if smollm2_gguf is not None:
         fixtures.append(Fixture("smollm2-export", lambda out: make_smollm2_fixtures(out, smollm2_gguf)))
         fixtures.append(Fixture("qwen3-chat", lambda out: make_chat_fixture(out, smollm2_gguf)))

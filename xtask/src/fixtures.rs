@@ -22,6 +22,7 @@ pub fn fixtures() -> Result<PathBuf> {
     for f in [
         "fixtures.py",
         "gguf_hybrid.py",
+        "mix_ref.py",
         "dhara_ref.py",
         "requirements.txt",
     ] {

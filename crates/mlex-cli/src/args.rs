@@ -13,8 +13,14 @@ pub struct Cli {
     /// Device to run on (default: MLX's default, the GPU when there is one).
     #[arg(long, global = true, value_enum)]
     pub device: Option<DeviceArg>,
-    /// Extra TOML architecture files or directories (also $MLEX_ARCH_PATH).
-    #[arg(long = "arch-file", global = true, value_name = "PATH")]
+    /// Extra architecture spec files, or directories of them (also
+    /// $MLEX_ARCH_PATH); `--arch-dir` is the same option.
+    #[arg(
+        long = "arch-file",
+        visible_alias = "arch-dir",
+        global = true,
+        value_name = "PATH"
+    )]
     pub arch_files: Vec<PathBuf>,
 }
 

@@ -89,7 +89,6 @@ fn compiled_greedy(
 #[test]
 fn compiled_decode_equals_eager_on_every_architecture() {
     let all = fixtures();
-    let registry = mlex_models::registry().unwrap();
     let names: Vec<&Fixture> = all
         .iter()
         .filter(|f| {
@@ -99,9 +98,12 @@ fn compiled_decode_equals_eager_on_every_architecture() {
         })
         .collect();
     assert!(names.len() >= 8, "expected fixtures of every architecture");
+    // The spec-only hybrid too (its spec comes from the fixture's arch_dir).
+    assert!(names.iter().any(|f| f.name == "hybrid_mix-f32"));
     let mut failures = Vec::new();
     for f in names {
-        let loaded = mlex_models::load::load(path_of(f).to_str().unwrap(), registry).unwrap();
+        let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
+        let loaded = mlex_models::load::load(path_of(f).to_str().unwrap(), &registry).unwrap();
         let model = &loaded.model;
         let r = reference(f);
         let n = 12;

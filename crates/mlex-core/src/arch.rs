@@ -80,6 +80,12 @@ pub trait Architecture: Send + Sync {
         Vec::new()
     }
 
+    /// The spec it was built from, as a TOML table (the start of another
+    /// spec's `extends`); `None` for an architecture written in Rust.
+    fn spec_table(&self) -> Option<&toml::Table> {
+        None
+    }
+
     /// Translates checkpoint names/layouts into the naming the plan uses
     /// (drops unused tensors, fixes conv axis order, norm offsets, ...).
     /// `config` is the top-level config.

@@ -55,12 +55,15 @@ pub enum Error {
     },
 
     /// A tensor the model needs is absent.
-    #[error("missing tensor `{name}` (looked in {})", .files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "))]
+    #[error("missing tensor `{name}` (looked in {}){}", .files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", "), if .nearest.is_empty() { String::new() } else { format!("; nearest names not used yet: {}", .nearest.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")) })]
     MissingTensor {
         /// The tensor name after sanitizing.
         name: String,
         /// The files that were searched.
         files: Vec<PathBuf>,
+        /// The checkpoint's names closest to it (a weight-name template or
+        /// a sanitize rule that is off by a part).
+        nearest: Vec<String>,
     },
 
     /// Tensors were present that the model does not use.
@@ -86,7 +89,7 @@ pub enum Error {
     },
 
     /// `model_type` names no registered architecture.
-    #[error("unknown model_type `{model_type}`{}; registered architectures: {}", .file.as_ref().map(|f| format!(" in {}", f.display())).unwrap_or_default(), .known.join(", "))]
+    #[error("unknown model_type `{model_type}`{}; registered architectures: {} (a spec file adds one: --arch-dir DIR or $MLEX_ARCH_PATH, see docs/architecture-specs.md)", .file.as_ref().map(|f| format!(" in {}", f.display())).unwrap_or_default(), .known.join(", "))]
     UnknownArchitecture {
         /// The requested name.
         model_type: String,

@@ -228,6 +228,19 @@ pub trait LayerKind: Send + Sync {
     /// One line for `mlex list`.
     fn summary(&self) -> &'static str;
 
+    /// The `config.json` keys its layers read (sizes, epsilons), for the
+    /// generated `docs/architectures.md`.
+    fn config_keys(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// The option names its options struct takes (empty: not checked), so
+    /// that a spec's `[kinds.<kind>]` table is checked when it is read;
+    /// [`crate::config::struct_fields`] gives them for a serde struct.
+    fn option_keys(&self) -> &'static [&'static str] {
+        &[]
+    }
+
     /// Builds one layer.
     fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>>;
 }

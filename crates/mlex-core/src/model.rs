@@ -363,6 +363,7 @@ impl Model {
         let id = self.params.find(name).ok_or_else(|| Error::MissingTensor {
             name: name.to_owned(),
             files: vec![],
+            nearest: Vec::new(),
         })?;
         self.params.set(id, array)
     }

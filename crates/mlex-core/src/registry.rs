@@ -160,8 +160,8 @@ pub struct Listing {
     pub origin: String,
     /// One-line summary.
     pub summary: String,
-    /// The config keys an architecture's typed config reads (empty for
-    /// the other kinds of entry).
+    /// The config keys an architecture's parameters or a layer kind's
+    /// layers read (empty for cache kinds).
     pub config_keys: Vec<String>,
 }
 
@@ -302,12 +302,19 @@ impl Registry {
                 config_keys: s.item.config_keys(),
             })
             .collect();
-        out.extend(self.kinds.iter().map(|(name, s)| Listing {
-            what: "layer kind",
-            name: name.clone(),
-            origin: s.origin.clone(),
-            summary: s.item.summary().to_owned(),
-            config_keys: Vec::new(),
+        out.extend(self.kinds.iter().map(|(name, s)| {
+            Listing {
+                what: "layer kind",
+                name: name.clone(),
+                origin: s.origin.clone(),
+                summary: s.item.summary().to_owned(),
+                config_keys: s
+                    .item
+                    .config_keys()
+                    .iter()
+                    .map(|k| (*k).to_owned())
+                    .collect(),
+            }
         }));
         out.extend(self.caches.iter().map(|(name, (origin, summary))| Listing {
             what: "cache kind",

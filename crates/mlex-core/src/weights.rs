@@ -238,6 +238,32 @@ pub struct WeightLoader {
     quant: Quantization,
 }
 
+/// Up to `n` of `candidates` closest to `name`: most characters shared at
+/// the start and the end (a template off by one path part keeps both).
+pub fn nearest_names(name: &str, candidates: &[String], n: usize) -> Vec<String> {
+    let score = |c: &str| {
+        let pre = name
+            .bytes()
+            .zip(c.bytes())
+            .take_while(|(a, b)| a == b)
+            .count();
+        let suf = name
+            .bytes()
+            .rev()
+            .zip(c.bytes().rev())
+            .take_while(|(a, b)| a == b)
+            .count();
+        (pre + suf).min(name.len().max(c.len()))
+    };
+    let mut scored: Vec<(usize, &String)> = candidates
+        .iter()
+        .map(|c| (score(c), c))
+        .filter(|(s, _)| *s > 0)
+        .collect();
+    scored.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));
+    scored.into_iter().take(n).map(|(_, c)| c.clone()).collect()
+}
+
 fn shape_str(shape: &[i32]) -> String {
     format!(
         "[{}]",
@@ -283,6 +309,7 @@ impl WeightLoader {
         Error::MissingTensor {
             name: name.to_owned(),
             files: self.map.files().to_vec(),
+            nearest: nearest_names(name, &self.map.names(), 3),
         }
     }
 

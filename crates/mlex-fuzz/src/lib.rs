@@ -41,7 +41,32 @@ pub const TARGETS: &[(&str, Harness)] = &[
 /// parsed and checked against the registry (`mlex_models::build_registry`).
 pub fn arch_toml(data: &[u8]) {
     let f = scratch("arch.toml", data);
-    let _ = mlex_models::build_registry(std::slice::from_ref(&f.path));
+    let Ok(registry) = mlex_models::build_registry(std::slice::from_ref(&f.path)) else {
+        return;
+    };
+    // A spec that parses is planned against a config that has every key the
+    // built-ins read, so that planning's rules (patterns, MoE choice, value
+    // maps, gates) meet fuzzed specs too.
+    let config = mlex_core::config::ModelConfig::new(
+        serde_json::json!({
+            "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+            "layer_norm_epsilon": 1e-5, "vocab_size": 256, "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5, "tie_word_embeddings": true, "num_experts": 4,
+            "decoder_sparse_step": 2, "mlp_only_layers": [0], "full_attention_interval": 3,
+            "hybrid_override_pattern": "M*E", "layer_types": ["full_attention", "sliding_attention"],
+            "sliding_window": 8, "text_config": {"hidden_size": 64}
+        }),
+        f.path.clone(),
+    );
+    let file = f.path.display().to_string();
+    for item in registry.list().into_iter().filter(|l| l.origin == file) {
+        if let Ok(arch) = registry.architecture(&item.name) {
+            if let Ok(text) = arch.text_config(&config) {
+                let _ = arch.plan(&text);
+            }
+        }
+    }
 }
 
 /// A GGUF file end to end (`mlex_models::gguf::load`): header and

@@ -1,13 +1,13 @@
 //! # mlex-models
 //!
-//! The architectures and layer kinds of mlex. Each architecture is one file
-//! in [`models`] named after its `model_type` and registers itself with
-//! [`mlex_core::register_architecture!`]; each layer kind in [`layers`]
-//! registers with [`mlex_core::register_layer_kind!`]. New hybrids can be
-//! composed from registered kinds in TOML ([`toml_arch`]) without Rust.
+//! The architectures and layer kinds of mlex. Every built-in architecture
+//! is a spec (`architectures/<model_type>.toml`, [`spec`]) embedded at
+//! build time; each layer kind in [`layers`] registers with
+//! [`mlex_core::register_layer_kind!`]. A new architecture, hybrid or not,
+//! is one more spec file: no Rust.
 //!
-//! [`registry()`] gives every registered architecture and layer kind plus
-//! the bundled TOML architectures and those named by `$MLEX_ARCH_PATH`;
+//! [`registry()`] gives every registered layer kind and architecture, the
+//! built-in specs and those named by `$MLEX_ARCH_PATH`;
 //! [`load::load`] finds and loads a model (directory, `.gguf`, or a Hugging
 //! Face repo id in the local cache).
 #![deny(missing_docs)]
@@ -16,26 +16,23 @@ pub mod gguf;
 pub mod gguf_file;
 pub mod layers;
 pub mod load;
-pub mod models;
 pub mod quantize;
-pub mod toml_arch;
+pub mod sanitize;
+pub mod spec;
 
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
+use spec::SpecArchitecture;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
-use toml_arch::TomlArchitecture;
 
-/// TOML architectures shipped with mlex (`architectures/*.toml`).
-pub const BUNDLED_TOML: &[(&str, &str)] = &[(
-    "architectures/qwen3_next_2to1.toml",
-    include_str!("../architectures/qwen3_next_2to1.toml"),
-)];
-
-/// Adds the TOML architecture in `text` (from `file`) to `registry`.
+/// Adds the architecture spec in `text` (from `file`) to `registry`: one
+/// architecture per `model_type` it serves.
 pub fn add_toml_architecture(registry: &mut Registry, text: &str, file: &Path) -> Result<()> {
-    let arch = TomlArchitecture::parse(text, file, registry)?;
-    registry.add_architecture(Arc::new(arch), file.display().to_string())
+    for arch in SpecArchitecture::parse(text, file, registry)? {
+        registry.add_architecture(Arc::new(arch), file.display().to_string())?;
+    }
+    Ok(())
 }
 
 /// Reads a TOML architecture file (or every `*.toml` in a directory).
@@ -65,7 +62,7 @@ pub fn build_registry(extra: &[PathBuf]) -> Result<Registry> {
     // The layers' dense products take the few-row kernel where it is faster.
     mlex_kernels::skinny::install();
     let mut r = Registry::from_inventory()?;
-    for (name, text) in BUNDLED_TOML {
+    for (name, text) in spec::BUILTIN {
         add_toml_architecture(&mut r, text, Path::new(name))?;
     }
     for p in extra {

@@ -197,6 +197,7 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
         return Err(Error::MissingTensor {
             name: "(any weights)".into(),
             files: vec![dir.join("model*.safetensors")],
+            nearest: Vec::new(),
         });
     }
     Ok(files)

@@ -711,3 +711,76 @@ fn hybrid_gguf_metadata_that_contradicts_itself_names_the_key() {
         );
     }
 }
+
+/// Broken specs fail with where and what: an undeclared `$param` (with the
+/// declared ones), an option the layer kind lacks (with its options), a
+/// layer pattern that does not cover the config's layer
+/// count, a config value of the wrong type (naming the key), a value a map
+/// does not know (listing those it does), and a weight template that
+/// matches no tensor (with the nearest names the checkpoint has).
+#[test]
+fn broken_specs_say_where_and_what() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("bad.toml");
+    let base = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/specs/hybrid_mix.toml"),
+    )
+    .unwrap();
+    let build = |text: &str| {
+        std::fs::write(&p, text).unwrap();
+        mlex_models::build_registry(std::slice::from_ref(&p))
+    };
+    // Undeclared parameter: located, and the declared ones listed.
+    let e = build(&base.replace("\"$rope_theta\"", "\"$rope_base\""))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("bad.toml:") && e.contains("rope_base") && e.contains("rope_theta"),
+        "{e}"
+    );
+    // An option the kind does not have: located, with the kind's options.
+    let e = build(&base.replace("gated = true", "gatd = true"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("bad.toml:") && e.contains("no option `gatd`") && e.contains("gated"),
+        "{e}"
+    );
+    // The specs below parse; their errors come when a checkpoint is read.
+    let f = fixture("hybrid_mix-f32");
+    let load_with = |text: &str, edit: &dyn Fn(&mut serde_json::Value)| -> String {
+        let registry = build(text).unwrap();
+        let model = copy_with_config(&path_of(&f), edit);
+        match mlex_models::load::load(model.path().to_str().unwrap(), &registry) {
+            Ok(_) => panic!("loaded"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let e = load_with(&base, &|v| v["layer_pattern"] = "GMAGM".into());
+    assert!(
+        e.contains("layer_pattern") && e.contains("5 layers") && e.contains("says 6"),
+        "{e}"
+    );
+    let e = load_with(&base, &|v| v["rope_theta"] = "ten thousand".into());
+    assert!(
+        e.contains("config.json") && e.contains("rope_theta") && e.contains("expected a number"),
+        "{e}"
+    );
+    let e = load_with(&base, &|v| v["layer_pattern"] = "GMXGMA".into());
+    assert!(
+        e.contains("unknown layer `X` at position 2") && e.contains("known: A, G, M"),
+        "{e}"
+    );
+    // A weight-name template off by one part: the tensor is named, with the
+    // checkpoint's nearest names.
+    let e = load_with(
+        &base.replace("[kinds.mamba2]", "[kinds.mamba2]\nmixer = \"ssm\""),
+        &|_| {},
+    );
+    assert!(
+        e.contains("missing tensor `model.layers.1.ssm.") && e.contains("model.layers.1.mixer."),
+        "{e}"
+    );
+}

@@ -13,9 +13,11 @@ use mlx_rs::ops::indexing::TryIndexOp;
 const LOW_PRECISION_SELF_TOL: f32 = 0.06;
 
 fn check(f: &Fixture) -> Result<String, String> {
-    let registry = mlex_models::registry().map_err(|e| e.to_string())?;
+    // A fixture of a model_type no built-in serves brings its spec file,
+    // as a user would with --arch-dir.
+    let registry = mlex_models::build_registry(&f.arch_paths()).map_err(|e| e.to_string())?;
     let path = path_of(f);
-    let loaded = load(path.to_str().unwrap(), registry).map_err(|e| format!("load: {e}"))?;
+    let loaded = load(path.to_str().unwrap(), &registry).map_err(|e| format!("load: {e}"))?;
     let model = &loaded.model;
     let r = reference(f);
     let tol = tolerance(f);

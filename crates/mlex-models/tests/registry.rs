@@ -26,7 +26,8 @@ mlex_core::register_architecture!("llama", ImpostorLlama);
 
 #[test]
 fn a_duplicate_registration_fails_naming_both_origins() {
-    match Registry::from_inventory() {
+    // The impostor comes from inventory, the real `llama` from its spec.
+    match mlex_models::build_registry(&[]) {
         Err(Error::DuplicateRegistration {
             what,
             name,
@@ -36,10 +37,7 @@ fn a_duplicate_registration_fails_naming_both_origins() {
             assert_eq!(what, "architecture");
             assert_eq!(name, "llama");
             let origins = [first.as_str(), second.as_str()];
-            assert!(
-                origins.contains(&"mlex_models::models::llama"),
-                "{origins:?}"
-            );
+            assert!(origins.contains(&"architectures/llama.toml"), "{origins:?}");
             assert!(
                 origins.iter().any(|o| o.starts_with("registry")),
                 "{origins:?}"
@@ -48,7 +46,7 @@ fn a_duplicate_registration_fails_naming_both_origins() {
         Err(other) => panic!("unexpected error: {other}"),
         Ok(_) => panic!("a duplicate `llama` must be rejected"),
     }
-    let msg = Registry::from_inventory().err().unwrap().to_string();
+    let msg = mlex_models::build_registry(&[]).err().unwrap().to_string();
     assert!(msg.contains("duplicate architecture `llama`"), "{msg}");
 }
 
@@ -69,8 +67,13 @@ fn adding_a_taken_layer_kind_name_is_an_error() {
 #[test]
 fn unknown_names_list_what_is_registered() {
     let mut r = Registry::new();
-    r.add_architecture(Arc::new(mlex_models::models::llama::Llama), "here")
-        .unwrap();
+    r.add_layer_kind(
+        Arc::new(mlex_models::layers::attention::AttentionKind),
+        "here",
+    )
+    .unwrap();
+    let (file, text) = mlex_models::spec::BUILTIN[0];
+    mlex_models::add_toml_architecture(&mut r, text, std::path::Path::new(file)).unwrap();
     let e = r.architecture("gpt9").err().unwrap().to_string();
     assert!(e.contains("gpt9") && e.contains("llama"), "{e}");
     let e = r.layer_kind("fancy").err().unwrap().to_string();

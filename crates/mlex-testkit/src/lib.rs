@@ -28,6 +28,20 @@ pub struct Fixture {
     pub reference: String,
     #[serde(default)]
     pub notes: String,
+    /// A directory of architecture specs (relative to the repository root)
+    /// the fixture's `model_type` needs: one no built-in serves.
+    #[serde(default)]
+    pub arch_dir: Option<String>,
+}
+
+impl Fixture {
+    /// The extra architecture paths to build a registry with.
+    pub fn arch_paths(&self) -> Vec<PathBuf> {
+        self.arch_dir
+            .iter()
+            .map(|d| Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(d))
+            .collect()
+    }
 }
 
 #[derive(Deserialize)]

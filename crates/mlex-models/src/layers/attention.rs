@@ -184,6 +184,35 @@ impl LayerKind for AttentionKind {
     fn name(&self) -> &'static str {
         "attention"
     }
+    fn option_keys(&self) -> &'static [&'static str] {
+        mlex_core::config::struct_fields::<AttentionOptions>()
+    }
+    fn config_keys(&self) -> &'static [&'static str] {
+        &[
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "layer_norm_epsilon",
+            "rope_theta",
+            "rope_scaling",
+            "partial_rotary_factor",
+            "intermediate_size",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "shared_expert_intermediate_size",
+            "n_routed_experts",
+            "n_shared_experts",
+            "n_group",
+            "topk_group",
+            "routed_scaling_factor",
+            "moe_shared_expert_intermediate_size",
+            "mlp_bias",
+        ]
+    }
     fn state(&self) -> StateKind {
         StateKind::Growing
     }
@@ -310,7 +339,21 @@ impl Attention {
             d: None,
         };
         let mut kernel = 0;
-        if let Some(c) = &o.canon {
+        let canon_options = match &o.canon {
+            Some(c) => {
+                let set = c.set.to_uppercase();
+                if let Some(bad) = set.chars().find(|ch| !"ABCD".contains(*ch)) {
+                    return Err(ctx.config.error(
+                        &format!("options of layer {} (attention): canon.set", ctx.index),
+                        format!("unknown canon position `{bad}` (A, B, C, D)"),
+                    ));
+                }
+                // An empty set is no canon layers at all.
+                (!set.is_empty()).then(|| CanonOptions { set, ..c.clone() })
+            }
+            None => None,
+        };
+        if let Some(c) = &canon_options {
             kernel = c.kernel;
             let load = |ctx: &mut BuildCtx<'_>, name: String, ch: i32| {
                 Canon::load(ctx.weights, &name, ch, c.kernel, c.residual, c.activation)

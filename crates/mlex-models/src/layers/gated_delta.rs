@@ -109,6 +109,33 @@ impl LayerKind for GatedDeltaKind {
     fn name(&self) -> &'static str {
         "gated_delta"
     }
+    fn option_keys(&self) -> &'static [&'static str] {
+        mlex_core::config::struct_fields::<GatedDeltaOptions>()
+    }
+    fn config_keys(&self) -> &'static [&'static str] {
+        &[
+            "hidden_size",
+            "linear_num_value_heads",
+            "linear_num_key_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+            "rms_norm_eps",
+            "intermediate_size",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "shared_expert_intermediate_size",
+            "n_routed_experts",
+            "n_shared_experts",
+            "n_group",
+            "topk_group",
+            "routed_scaling_factor",
+            "moe_shared_expert_intermediate_size",
+            "mlp_bias",
+        ]
+    }
     fn state(&self) -> StateKind {
         StateKind::Fixed
     }

@@ -75,6 +75,23 @@ impl LayerKind for Mamba2Kind {
     fn name(&self) -> &'static str {
         "mamba2"
     }
+    fn option_keys(&self) -> &'static [&'static str] {
+        mlex_core::config::struct_fields::<Mamba2Options>()
+    }
+    fn config_keys(&self) -> &'static [&'static str] {
+        &[
+            "hidden_size",
+            "mamba_num_heads",
+            "mamba_head_dim",
+            "ssm_state_size",
+            "conv_kernel",
+            "n_groups",
+            "mamba_proj_bias",
+            "use_conv_bias",
+            "time_step_limit",
+            "layer_norm_epsilon",
+        ]
+    }
     fn state(&self) -> StateKind {
         StateKind::Fixed
     }

@@ -22,6 +22,25 @@ fn d_eps_key() -> String {
     "layer_norm_epsilon".into()
 }
 
+/// The config keys `mlp` and `moe` layers read.
+const FFN_LAYER_KEYS: &[&str] = &[
+    "hidden_size",
+    "layer_norm_epsilon",
+    "intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "shared_expert_intermediate_size",
+    "n_routed_experts",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "moe_shared_expert_intermediate_size",
+    "mlp_bias",
+];
+
 /// Options of the `mlp`/`moe` kinds.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -75,6 +94,12 @@ impl LayerKind for MlpKind {
     fn name(&self) -> &'static str {
         "mlp"
     }
+    fn option_keys(&self) -> &'static [&'static str] {
+        mlex_core::config::struct_fields::<FfnLayerOptions>()
+    }
+    fn config_keys(&self) -> &'static [&'static str] {
+        FFN_LAYER_KEYS
+    }
     fn state(&self) -> StateKind {
         StateKind::None
     }
@@ -92,6 +117,12 @@ pub struct MoeKind;
 impl LayerKind for MoeKind {
     fn name(&self) -> &'static str {
         "moe"
+    }
+    fn option_keys(&self) -> &'static [&'static str] {
+        mlex_core::config::struct_fields::<FfnLayerOptions>()
+    }
+    fn config_keys(&self) -> &'static [&'static str] {
+        FFN_LAYER_KEYS
     }
     fn state(&self) -> StateKind {
         StateKind::None

@@ -1,0 +1,108 @@
+//! The weight translation steps an architecture spec's `[[sanitize]]`
+//! names (see [`crate::spec`]), as mlx-lm's `sanitize` methods do them.
+
+use mlex_core::error::{Error, Result};
+use mlex_core::weights::WeightMap;
+use mlx_rs::ops;
+use mlx_rs::ops::indexing::TryIndexOp;
+
+/// Drops every tensor under `prefix` (e.g. a tied `lm_head`).
+pub fn drop_prefix(weights: &mut WeightMap, prefix: &str) -> Result<()> {
+    let p = format!("{prefix}.");
+    weights.rename_all(|n| (!n.starts_with(&p) && n != prefix).then(|| n.to_owned()))
+}
+
+/// Drops tensors whose name satisfies `pred`.
+pub fn drop_where(weights: &mut WeightMap, pred: impl Fn(&str) -> bool) -> Result<()> {
+    weights.rename_all(|n| (!pred(n)).then(|| n.to_owned()))
+}
+
+/// PyTorch conv weights `[C, 1, K]` → MLX `[C, K, 1]` for every tensor
+/// named `*{marker}*weight` whose last axis is not 1 (mlx-lm's rule).
+pub fn conv_to_mlx(weights: &mut WeightMap, marker: &str) -> Result<()> {
+    weights.update_where(
+        |n, a| n.contains(marker) && n.ends_with("weight") && a.ndim() == 3 && a.shape()[2] != 1,
+        |a| Ok(ops::move_axis(a, 2, 1)?),
+    )
+}
+
+/// True when some `*{marker}*weight` still has the PyTorch layout.
+pub fn has_torch_conv(weights: &WeightMap, marker: &str) -> bool {
+    weights.names().iter().any(|n| {
+        n.contains(marker)
+            && n.ends_with("weight")
+            && weights
+                .get(n)
+                .is_some_and(|a| a.ndim() == 3 && a.shape()[2] != 1)
+    })
+}
+
+/// Adds 1 to 1-D norm weights stored as offsets (HF Qwen3-Next/3.5).
+pub fn norm_plus_one(weights: &mut WeightMap, suffixes: &[&str]) -> Result<()> {
+    weights.update_where(
+        |n, a| a.ndim() == 1 && suffixes.iter().any(|s| n.ends_with(s)),
+        |a| Ok(ops::add(a, mlex_core::nn::scalar(1.0, a.dtype())?)?),
+    )
+}
+
+/// Stacks per-expert weights `{prefix}.experts.{e}.{from}.weight` into
+/// `{prefix}.switch_mlp.{to}.weight` (`[E, out, in]`).
+pub fn stack_experts(
+    weights: &mut WeightMap,
+    prefix: &str,
+    experts: usize,
+    names: &[(&str, &str)],
+) -> Result<()> {
+    for (from, to) in names {
+        let first = format!("{prefix}.experts.0.{from}.weight");
+        if !weights.contains(&first) {
+            continue;
+        }
+        let mut parts = Vec::with_capacity(experts);
+        let mut file = 0;
+        for e in 0..experts {
+            let name = format!("{prefix}.experts.{e}.{from}.weight");
+            let (a, f) = weights.remove(&name).ok_or_else(|| Error::MissingTensor {
+                name: name.clone(),
+                files: weights.files().to_vec(),
+                nearest: mlex_core::weights::nearest_names(&name, &weights.names(), 3),
+            })?;
+            file = f;
+            parts.push(a);
+        }
+        weights.insert(
+            format!("{prefix}.switch_mlp.{to}.weight"),
+            ops::stack(&parts, 0)?,
+            file,
+        );
+    }
+    Ok(())
+}
+
+/// HF Qwen3.5-MoE stores experts fused: `experts.gate_up_proj` `[E, 2I, H]`
+/// and `experts.down_proj`; split into `switch_mlp.{gate,up,down}_proj`.
+pub fn split_gate_up(weights: &mut WeightMap, prefix: &str) -> Result<()> {
+    let key = format!("{prefix}.experts.gate_up_proj");
+    let Some((gate_up, file)) = weights.remove(&key) else {
+        return Ok(());
+    };
+    let mid = gate_up.shape()[gate_up.ndim() - 2] / 2;
+    weights.insert(
+        format!("{prefix}.switch_mlp.gate_proj.weight"),
+        gate_up.try_index((.., ..mid, ..))?,
+        file,
+    );
+    weights.insert(
+        format!("{prefix}.switch_mlp.up_proj.weight"),
+        gate_up.try_index((.., mid.., ..))?,
+        file,
+    );
+    let down = format!("{prefix}.experts.down_proj");
+    let (d, f) = weights.remove(&down).ok_or_else(|| Error::MissingTensor {
+        name: down.clone(),
+        files: weights.files().to_vec(),
+        nearest: mlex_core::weights::nearest_names(&down, &weights.names(), 3),
+    })?;
+    weights.insert(format!("{prefix}.switch_mlp.down_proj.weight"), d, f);
+    Ok(())
+}

@@ -1,0 +1,1260 @@
+//! Architecture specs: a `model_type` described as data, in TOML, and built
+//! into an [`Architecture`] with no Rust. Every built-in architecture is one
+//! of these (`crates/mlex-models/architectures/*.toml`, embedded at build
+//! time); a user adds one with `--arch-dir`/`--arch-file` or
+//! `$MLEX_ARCH_PATH`, and a downstream crate embeds its own with
+//! [`crate::add_toml_architecture`].
+//!
+//! A spec says, in this order (the format is documented with a worked
+//! example in `docs/architecture-specs.md`):
+//!
+//! - `model_type`, `summary`, `reference`, `also` (more `model_type`s it
+//!   serves), `extends` (another spec it starts from, deep-merged);
+//! - `text_config` (a nested config to lift, as multimodal wrappers have)
+//!   and `[config_defaults]` (values filled in where the config is silent);
+//! - `[params]`: the typed parameters read from `config.json`, each with its
+//!   key (or alternative keys, dotted for nesting), type, default, value
+//!   map, and `only_if` gate;
+//! - `[model]`: embedding, layer, final-norm and head weight prefixes, tied
+//!   head, sizes, context limit, logit soft-cap;
+//! - `[layers]`: the pattern (repeating list, interval rule or per-layer
+//!   codes from a config key), the per-layer MLP/MoE choice, and `where`
+//!   rules that set options on the layers a config list names;
+//! - `[kinds.<kind>]`: the options of each layer kind, the kind's own typed
+//!   struct (an unknown option is an error naming it);
+//! - `[[sanitize]]`: the weight translation steps, in order.
+//!
+//! Any string value `"$name"` in `[model]`, `[layers]` or `[kinds]` is the
+//! parameter `name`; an option whose parameter is absent (optional, or
+//! gated off) is left out, so the kind's default applies.
+
+use mlex_core::arch::{Architecture, HeadPlan, LayerPlan, ModelPlan};
+use mlex_core::config::ModelConfig;
+use mlex_core::error::{Error, Result};
+use mlex_core::registry::Registry;
+use mlex_core::weights::WeightMap;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::sanitize as steps;
+
+/// A whole spec file, as written.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArchSpec {
+    /// The `config.json` `model_type` it serves (`name` in older files).
+    #[serde(alias = "name")]
+    pub model_type: String,
+    /// One line for `mlex list`.
+    #[serde(default)]
+    pub summary: Option<String>,
+    /// Where the reference implementation is (paper, mlx-lm file).
+    #[serde(default)]
+    pub reference: Option<String>,
+    /// Another spec this one starts from (`base` in older files); its
+    /// tables are merged under this file's.
+    #[serde(default, alias = "base")]
+    pub extends: Option<String>,
+    /// More `model_type`s served by the same spec, with their summaries.
+    #[serde(default)]
+    pub also: Vec<AlsoServes>,
+    /// A nested config object to read instead of the top level, when the
+    /// config has it (`text_config` of multimodal wrappers).
+    #[serde(default)]
+    pub text_config: Option<String>,
+    /// Values filled into the (text) config where it has none or `null`.
+    #[serde(default)]
+    pub config_defaults: toml::Table,
+    /// The typed parameters read from the config.
+    #[serde(default)]
+    pub params: BTreeMap<String, ParamSpec>,
+    /// The model around the layers.
+    #[serde(default)]
+    pub model: Option<ModelSpec>,
+    /// The layer stack.
+    pub layers: LayersSpec,
+    /// Options per layer kind (`options` in older files).
+    #[serde(default, alias = "options")]
+    pub kinds: BTreeMap<String, toml::Table>,
+    /// Weight translation, in order.
+    #[serde(default)]
+    pub sanitize: Vec<SanitizeStep>,
+}
+
+/// Another `model_type` a spec serves.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AlsoServes {
+    /// The `model_type`.
+    pub model_type: String,
+    /// Its line for `mlex list`.
+    pub summary: String,
+}
+
+/// A typed config parameter: `name = "int"` (the key is the name, the
+/// value required) or a table.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ParamSpec {
+    /// Just the type; key = the parameter's name; required.
+    Type(ParamType),
+    /// The full form.
+    Full(ParamTable),
+}
+
+/// The full form of a [`ParamSpec`].
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParamTable {
+    /// The config key (default: the parameter's name); dotted for nesting,
+    /// e.g. `rope_parameters.rope_theta`.
+    #[serde(default)]
+    pub key: Option<String>,
+    /// Alternative keys, the first present wins (instead of `key`).
+    #[serde(default)]
+    pub keys: Vec<String>,
+    /// The value's type.
+    #[serde(rename = "type")]
+    pub ty: ParamType,
+    /// The value when no key is present (else the parameter is required,
+    /// unless `optional`).
+    #[serde(default)]
+    pub default: Option<toml::Value>,
+    /// Absent is allowed: options that use it are left out.
+    #[serde(default)]
+    pub optional: bool,
+    /// Replace the value by this table's entry for it (e.g. a config enum
+    /// to a layer-kind option); a value not in the map is an error listing
+    /// the known ones.
+    #[serde(default)]
+    pub map: Option<toml::Table>,
+    /// The parameter is absent unless this boolean parameter is true.
+    #[serde(default)]
+    pub only_if: Option<String>,
+}
+
+/// The type of a config parameter.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ParamType {
+    /// An integer.
+    Int,
+    /// An integer from 1 up (sizes, counts).
+    Count,
+    /// A number.
+    Float,
+    /// `true` or `false`.
+    Bool,
+    /// A string.
+    String,
+    /// A list of integers.
+    IntList,
+    /// A list of strings.
+    StringList,
+    /// A string or a list of strings (layer patterns).
+    Pattern,
+    /// An object (e.g. RoPE scaling), passed through.
+    Object,
+}
+
+impl ParamType {
+    fn check(self, v: &Value) -> std::result::Result<(), &'static str> {
+        let ok = match self {
+            ParamType::Int => v.as_i64().is_some(),
+            ParamType::Count => v.as_i64().is_some(),
+            ParamType::Float => v.as_f64().is_some(),
+            ParamType::Bool => v.is_boolean(),
+            ParamType::String => v.is_string(),
+            ParamType::IntList => v
+                .as_array()
+                .is_some_and(|a| a.iter().all(|x| x.as_i64().is_some())),
+            ParamType::StringList => v.as_array().is_some_and(|a| a.iter().all(Value::is_string)),
+            ParamType::Pattern => {
+                v.is_string() || v.as_array().is_some_and(|a| a.iter().all(Value::is_string))
+            }
+            ParamType::Object => v.is_object(),
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(match self {
+                ParamType::Int => "expected an integer",
+                ParamType::Count => "expected an integer from 1",
+                ParamType::Float => "expected a number",
+                ParamType::Bool => "expected true or false",
+                ParamType::String => "expected a string",
+                ParamType::IntList => "expected a list of integers",
+                ParamType::StringList => "expected a list of strings",
+                ParamType::Pattern => "expected a string or a list of strings",
+                ParamType::Object => "expected an object",
+            })
+        }
+    }
+}
+
+/// The model around the layers. Every field is a value or a `"$param"`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Embedding prefix, e.g. `model.embed_tokens`.
+    pub embed: String,
+    /// Layer prefix; layer `i` is at `{layers}.{i}`.
+    pub layers: String,
+    /// Final norm prefix.
+    pub final_norm: String,
+    /// Output head prefix (unused when tied).
+    pub head: String,
+    /// Whether the head is the embedding (bool or `"$param"`).
+    #[serde(default)]
+    pub tie: Option<toml::Value>,
+    /// Vocabulary size.
+    pub vocab_size: toml::Value,
+    /// Residual width.
+    pub hidden_size: toml::Value,
+    /// Final norm epsilon.
+    pub norm_eps: toml::Value,
+    /// Longest context (optional).
+    #[serde(default)]
+    pub max_context: Option<toml::Value>,
+    /// `c * tanh(logits / c)` when set and positive.
+    #[serde(default)]
+    pub logit_softcap: Option<toml::Value>,
+}
+
+/// The layer stack.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayersSpec {
+    /// Number of layers (`"$param"`), unless `codes` gives them.
+    #[serde(default)]
+    pub count: Option<toml::Value>,
+    /// Kinds repeated over the layers.
+    #[serde(default)]
+    pub pattern: Option<Vec<String>>,
+    /// Every `every`-th layer is `on`, the others `off`.
+    #[serde(default)]
+    pub interval: Option<IntervalRule>,
+    /// One code per layer from a config string or list.
+    #[serde(default)]
+    pub codes: Option<CodesRule>,
+    /// The feed-forward of `attention`/`gated_delta` layers: a fixed kind
+    /// or a MoE rule.
+    #[serde(default)]
+    pub mlp: Option<MlpRule>,
+    /// Options set on the layers a config list marks.
+    #[serde(default, rename = "where")]
+    pub where_: Vec<WhereRule>,
+}
+
+/// `interval = { every = "$full_attention_interval", on = "attention", off = "gated_delta" }`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IntervalRule {
+    /// The interval (`"$param"` or a number).
+    pub every: toml::Value,
+    /// The kind of every `every`-th layer (1-based).
+    pub on: String,
+    /// The kind of the others.
+    pub off: String,
+}
+
+/// `codes = { from = "$pattern", map = { M = "mamba2", "*" = "attention" } }`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CodesRule {
+    /// A pattern parameter: a string (one code per character) or a list
+    /// (one code per item).
+    pub from: String,
+    /// Code → layer kind.
+    pub map: BTreeMap<String, String>,
+}
+
+/// The feed-forward choice.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum MlpRule {
+    /// The same feed-forward kind on every layer.
+    Fixed(String),
+    /// MoE on some layers.
+    Moe(MoeRule),
+}
+
+/// MoE on every `sparse_step`-th layer not in `dense_layers`, when
+/// `experts` is positive (Qwen's `decoder_sparse_step`/`mlp_only_layers`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeRule {
+    /// The MoE feed-forward kind.
+    pub moe: String,
+    /// The dense feed-forward kind.
+    pub dense: String,
+    /// Expert count (`"$param"`).
+    pub experts: toml::Value,
+    /// MoE every this many layers (`"$param"`, default 1).
+    #[serde(default)]
+    pub sparse_step: Option<toml::Value>,
+    /// Layers that stay dense (`"$param"`).
+    #[serde(default)]
+    pub dense_layers: Option<toml::Value>,
+}
+
+/// `[[layers.where]] list = "$layer_types"; equals = "sliding_attention"; options = {...}`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WhereRule {
+    /// A string-list parameter, one entry per layer.
+    pub list: String,
+    /// The entry that selects a layer.
+    pub equals: String,
+    /// Options set on the selected layers.
+    pub options: toml::Table,
+}
+
+/// One weight translation step: exactly one operation, optionally gated.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SanitizeStep {
+    /// Drop tensors whose name starts with any of these.
+    #[serde(default)]
+    pub drop_prefix: Option<Vec<String>>,
+    /// Drop tensors whose name contains any of these.
+    #[serde(default)]
+    pub drop_containing: Option<Vec<String>>,
+    /// Drop the module `{x}` (`{x}.*` and `{x}` itself).
+    #[serde(default)]
+    pub drop_module: Option<String>,
+    /// Rename the prefix `[from, to]`.
+    #[serde(default)]
+    pub rename_prefix: Option<[String; 2]>,
+    /// Prefix every name that does not start with it already.
+    #[serde(default)]
+    pub add_prefix: Option<String>,
+    /// PyTorch conv `[C, 1, K]` → MLX `[C, K, 1]` for `*{x}*weight`.
+    #[serde(default)]
+    pub conv_to_mlx: Option<String>,
+    /// Add 1 to 1-D norm weights ending in any of these (offset norms).
+    #[serde(default)]
+    pub norm_plus_one: Option<Vec<String>>,
+    /// Stack per-expert weights into `switch_mlp`.
+    #[serde(default)]
+    pub stack_experts: Option<StackExperts>,
+    /// Split fused `experts.gate_up_proj` under `{prefix}` (with `{i}`).
+    #[serde(default)]
+    pub split_fused_experts: Option<String>,
+    /// Run only when this boolean parameter is true (`"$param"`).
+    #[serde(default)]
+    pub when: Option<String>,
+    /// Run only when some tensor of the checkpoint as read ends with this.
+    #[serde(default)]
+    pub if_tensor_ending: Option<String>,
+    /// Run only when the checkpoint as read has PyTorch-layout convs named
+    /// `*{x}*weight` (it was not sanitized before).
+    #[serde(default)]
+    pub if_torch_conv: Option<String>,
+}
+
+/// `stack_experts = { module = "model.layers.{i}.mlp", experts = "$num_experts", names = [["up_proj", "up_proj"]] }`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StackExperts {
+    /// The MoE module, with `{i}` for the layer index.
+    pub module: String,
+    /// Expert count (`"$param"`).
+    pub experts: toml::Value,
+    /// `[per-expert name, switch_mlp name]` pairs.
+    pub names: Vec<[String; 2]>,
+}
+
+/// A spec built against a registry: an [`Architecture`].
+pub struct SpecArchitecture {
+    spec: ArchSpec,
+    table: toml::Table,
+    model_type: String,
+    summary: String,
+}
+
+/// `file:line:column` of byte `offset` in `text` (both 1-based, columns in
+/// characters), as compilers print locations.
+fn location(file: &Path, text: &str, offset: usize) -> String {
+    let before = text.get(..offset.min(text.len())).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
+    format!("{}:{line}:{column}", file.display())
+}
+
+fn spec_error(at: &str, key: &str, message: impl Into<String>) -> Error {
+    Error::Config {
+        file: PathBuf::from(at),
+        key: key.to_owned(),
+        message: message.into(),
+    }
+}
+
+/// Deep-merges `over` into `base` (tables merge, everything else replaces).
+fn merge_tables(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge_tables(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+/// The built-in spec files, embedded at build time.
+pub const BUILTIN: &[(&str, &str)] = &[
+    (
+        "architectures/llama.toml",
+        include_str!("../architectures/llama.toml"),
+    ),
+    (
+        "architectures/qwen2.toml",
+        include_str!("../architectures/qwen2.toml"),
+    ),
+    (
+        "architectures/qwen3.toml",
+        include_str!("../architectures/qwen3.toml"),
+    ),
+    (
+        "architectures/qwen3_moe.toml",
+        include_str!("../architectures/qwen3_moe.toml"),
+    ),
+    (
+        "architectures/qwen3_next.toml",
+        include_str!("../architectures/qwen3_next.toml"),
+    ),
+    (
+        "architectures/qwen3_5.toml",
+        include_str!("../architectures/qwen3_5.toml"),
+    ),
+    (
+        "architectures/nemotron_h.toml",
+        include_str!("../architectures/nemotron_h.toml"),
+    ),
+    (
+        "architectures/dhara_ar.toml",
+        include_str!("../architectures/dhara_ar.toml"),
+    ),
+];
+
+impl SpecArchitecture {
+    /// Parses the spec in `text` (read from `file`) and checks it against
+    /// the layer kinds and the specs already in `registry` (for `extends`).
+    /// Returns one architecture per `model_type` it serves.
+    pub fn parse(text: &str, file: &Path, registry: &Registry) -> Result<Vec<Self>> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| {
+            let at = e
+                .span()
+                .map(|s| location(file, text, s.start))
+                .unwrap_or_else(|| file.display().to_string());
+            spec_error(&at, "architecture spec", e.message())
+        })?;
+        let typed = |table: toml::Table| -> Result<ArchSpec> {
+            ArchSpec::deserialize(toml::Value::Table(table)).map_err(|e| {
+                spec_error(
+                    &file.display().to_string(),
+                    "architecture spec",
+                    e.to_string(),
+                )
+            })
+        };
+        // Parse once from the text for spans and messages located in it.
+        let own: ArchSpec = toml::from_str(text).map_err(|e| {
+            let at = e
+                .span()
+                .map(|s| location(file, text, s.start))
+                .unwrap_or_else(|| file.display().to_string());
+            spec_error(&at, "architecture spec", e.message())
+        })?;
+        let (spec, table) = match &own.extends {
+            None => (own, table),
+            Some(base_name) => {
+                let at = text
+                    .find(&format!("\"{base_name}\""))
+                    .map(|o| location(file, text, o))
+                    .unwrap_or_else(|| file.display().to_string());
+                let base = registry
+                    .architecture(base_name)
+                    .ok()
+                    .and_then(|a| a.spec_table().cloned())
+                    .ok_or_else(|| Error::UnknownArchitecture {
+                        model_type: base_name.clone(),
+                        file: Some(PathBuf::from(&at)),
+                        known: registry.architecture_names(),
+                    })?;
+                let mut merged = base.clone();
+                let mut over = table.clone();
+                over.remove("extends");
+                over.remove("base");
+                // The older names of fields, so that they merge with the
+                // base's.
+                for (old, new) in [("name", "model_type"), ("options", "kinds")] {
+                    if let Some(v) = over.remove(old) {
+                        over.insert(new.to_owned(), v);
+                    }
+                }
+                // A derived spec serves its own model_type only; its layer
+                // pattern replaces the base's (not merged rule by rule).
+                merged.remove("also");
+                if let Some(toml::Value::Table(l)) = over.get("layers") {
+                    if let Some(toml::Value::Table(bl)) = merged.get_mut("layers") {
+                        if ["pattern", "interval", "codes"]
+                            .iter()
+                            .any(|k| l.contains_key(*k))
+                        {
+                            bl.remove("pattern");
+                            bl.remove("interval");
+                            bl.remove("codes");
+                        }
+                    }
+                }
+                merged.remove("summary");
+                merge_tables(&mut merged, over);
+                let mut s = typed(merged.clone())?;
+                s.extends = Some(base_name.clone());
+                (s, merged)
+            }
+        };
+        check(&spec, text, file, registry)?;
+        let summary = spec.summary.clone().unwrap_or_else(|| {
+            format!(
+                "spec {}{}",
+                spec.model_type,
+                spec.extends
+                    .as_ref()
+                    .map(|b| format!(" on {b}"))
+                    .unwrap_or_default()
+            )
+        });
+        let mut out = vec![SpecArchitecture {
+            model_type: spec.model_type.clone(),
+            summary,
+            spec: spec.clone(),
+            table: table.clone(),
+        }];
+        for a in &spec.also {
+            out.push(SpecArchitecture {
+                model_type: a.model_type.clone(),
+                summary: a.summary.clone(),
+                spec: spec.clone(),
+                table: table.clone(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// Static checks with locations: every kind is registered, every
+/// `"$param"` is declared, one pattern rule, a model section.
+fn check(spec: &ArchSpec, text: &str, file: &Path, registry: &Registry) -> Result<()> {
+    let at = |needle: &str| {
+        text.find(needle)
+            .map(|o| location(file, text, o))
+            .unwrap_or_else(|| file.display().to_string())
+    };
+    let kind_known = |kind: &str, context: String| -> Result<()> {
+        registry.layer_kind(kind).map(|_| ()).map_err(|e| match e {
+            Error::UnknownLayerKind { kind: k, known, .. } => Error::UnknownLayerKind {
+                kind: k,
+                context: Some(context),
+                known,
+            },
+            e => e,
+        })
+    };
+    let l = &spec.layers;
+    let rules = [l.pattern.is_some(), l.interval.is_some(), l.codes.is_some()]
+        .iter()
+        .filter(|b| **b)
+        .count();
+    if rules != 1 {
+        return Err(spec_error(
+            &at("[layers]"),
+            "layers",
+            "needs exactly one of `pattern` (a repeating list of kinds), `interval` or `codes`",
+        ));
+    }
+    if let Some(p) = &l.pattern {
+        if p.is_empty() {
+            // Point at the empty list itself.
+            let list = text
+                .find("pattern")
+                .and_then(|o| text[o..].find('[').map(|b| o + b))
+                .map(|o| location(file, text, o))
+                .unwrap_or_else(|| file.display().to_string());
+            return Err(spec_error(
+                &list,
+                "layers.pattern",
+                "must name at least one layer kind",
+            ));
+        }
+        for (i, k) in p.iter().enumerate() {
+            kind_known(
+                k,
+                format!("{}: layers.pattern[{i}]", at(&format!("\"{k}\""))),
+            )?;
+        }
+    }
+    if let Some(r) = &l.interval {
+        kind_known(&r.on, format!("{}: layers.interval.on", at(&r.on)))?;
+        kind_known(&r.off, format!("{}: layers.interval.off", at(&r.off)))?;
+    }
+    if let Some(c) = &l.codes {
+        for (code, kind) in &c.map {
+            kind_known(kind, format!("{}: layers.codes.map.{code}", at(kind)))?;
+        }
+    }
+    for (kind, options) in &spec.kinds {
+        kind_known(kind, format!("{}: [kinds.{kind}]", at(kind)))?;
+        let keys = registry.layer_kind(kind)?.option_keys();
+        if keys.is_empty() {
+            continue;
+        }
+        if let Some(bad) = options.keys().find(|k| !keys.contains(&k.as_str())) {
+            return Err(spec_error(
+                &text
+                    .find(&format!("\n{bad}"))
+                    .map(|o| location(file, text, o + 1))
+                    .unwrap_or_else(|| at(bad)),
+                &format!("kinds.{kind}.{bad}"),
+                format!(
+                    "`{kind}` has no option `{bad}` (its options: {})",
+                    keys.join(", ")
+                ),
+            ));
+        }
+    }
+    if spec.model.is_none() {
+        return Err(spec_error(
+            &file.display().to_string(),
+            "model",
+            "missing: a spec needs a [model] section (or `extends` a spec that has one)",
+        ));
+    }
+    // Every "$param" must be declared.
+    let mut refs = Vec::new();
+    if let Some(m) = &spec.model {
+        for v in [&m.vocab_size, &m.hidden_size, &m.norm_eps]
+            .into_iter()
+            .chain(m.tie.iter())
+            .chain(m.max_context.iter())
+            .chain(m.logit_softcap.iter())
+        {
+            collect_refs(v, &mut refs);
+        }
+    }
+    let layers =
+        toml::Value::try_from(spec.layers_for_refs()).unwrap_or(toml::Value::Boolean(false));
+    collect_refs(&layers, &mut refs);
+    for t in spec.kinds.values() {
+        collect_refs(&toml::Value::Table(t.clone()), &mut refs);
+    }
+    for s in &spec.sanitize {
+        if let Some(w) = &s.when {
+            refs.push(w.clone());
+        }
+        if let Some(se) = &s.stack_experts {
+            collect_refs(&se.experts, &mut refs);
+        }
+    }
+    for (name, p) in &spec.params {
+        if let ParamSpec::Full(t) = p {
+            if let Some(g) = &t.only_if {
+                refs.push(format!("${g}"));
+            }
+        }
+        let _ = name;
+    }
+    for r in refs {
+        let name = r.trim_start_matches('$');
+        if !spec.params.contains_key(name) {
+            let known: Vec<&str> = spec.params.keys().map(String::as_str).collect();
+            return Err(spec_error(
+                &at(&r),
+                &r,
+                format!(
+                    "`{name}` is not a declared parameter (add it under [params]; declared: {})",
+                    known.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl ArchSpec {
+    /// The parts of `[layers]` that may hold `"$param"`s, as a TOML value.
+    fn layers_for_refs(&self) -> toml::Table {
+        let mut t = toml::Table::new();
+        let l = &self.layers;
+        if let Some(c) = &l.count {
+            t.insert("count".into(), c.clone());
+        }
+        if let Some(r) = &l.interval {
+            t.insert("every".into(), r.every.clone());
+        }
+        if let Some(c) = &l.codes {
+            t.insert("from".into(), toml::Value::String(c.from.clone()));
+        }
+        if let Some(MlpRule::Moe(m)) = &l.mlp {
+            t.insert("experts".into(), m.experts.clone());
+            if let Some(v) = &m.sparse_step {
+                t.insert("sparse_step".into(), v.clone());
+            }
+            if let Some(v) = &m.dense_layers {
+                t.insert("dense_layers".into(), v.clone());
+            }
+        }
+        for (i, w) in l.where_.iter().enumerate() {
+            t.insert(format!("where{i}"), toml::Value::String(w.list.clone()));
+            t.insert(
+                format!("where{i}_options"),
+                toml::Value::Table(w.options.clone()),
+            );
+        }
+        t
+    }
+
+    /// Every config key the parameters read (for the generated docs).
+    pub fn config_keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = Vec::new();
+        for (name, p) in &self.params {
+            match p {
+                ParamSpec::Type(_) => keys.push(name.clone()),
+                ParamSpec::Full(t) => {
+                    if t.keys.is_empty() {
+                        keys.push(t.key.clone().unwrap_or_else(|| name.clone()));
+                    } else {
+                        keys.extend(t.keys.iter().cloned());
+                    }
+                }
+            }
+        }
+        if let Some(t) = &self.text_config {
+            keys.push(t.clone());
+        }
+        keys.sort();
+        keys.dedup();
+        keys
+    }
+}
+
+fn collect_refs(v: &toml::Value, out: &mut Vec<String>) {
+    match v {
+        toml::Value::String(s) if s.starts_with('$') => out.push(s.clone()),
+        toml::Value::Array(a) => a.iter().for_each(|x| collect_refs(x, out)),
+        toml::Value::Table(t) => t.values().for_each(|x| collect_refs(x, out)),
+        _ => {}
+    }
+}
+
+/// A dotted key path in a config value.
+fn lookup<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.')
+        .try_fold(v, |v, k| v.get(k))
+        .filter(|v| !v.is_null())
+}
+
+fn to_json(v: &toml::Value) -> Value {
+    serde_json::to_value(v).unwrap_or(Value::Null)
+}
+
+/// The parameters of one config, resolved and type-checked.
+struct Resolved<'a> {
+    config: &'a ModelConfig,
+    values: BTreeMap<String, Option<Value>>,
+}
+
+impl<'a> Resolved<'a> {
+    fn new(spec: &ArchSpec, config: &'a ModelConfig) -> Result<Self> {
+        let mut values = BTreeMap::new();
+        let cv = config.value();
+        for (name, p) in &spec.params {
+            let (keys, ty, default, optional, map) = match p {
+                ParamSpec::Type(t) => (vec![name.clone()], *t, None, false, None),
+                ParamSpec::Full(t) => (
+                    if t.keys.is_empty() {
+                        vec![t.key.clone().unwrap_or_else(|| name.clone())]
+                    } else {
+                        t.keys.clone()
+                    },
+                    t.ty,
+                    t.default.as_ref().map(to_json),
+                    t.optional,
+                    t.map.as_ref(),
+                ),
+            };
+            let found = keys
+                .iter()
+                .find_map(|k| lookup(cv, k).map(|v| (k.clone(), v.clone())));
+            let (key, value) = match found {
+                Some(kv) => (kv.0, Some(kv.1)),
+                None => (keys[0].clone(), default),
+            };
+            let value = match value {
+                None if optional => None,
+                None => {
+                    return Err(config.error(
+                        &keys.join(" or "),
+                        format!("missing from the model config ({ty:?} parameter `{name}`)")
+                            .replace("Int", "integer")
+                            .replace("Count", "positive integer")
+                            .replace("Float", "number")
+                            .replace("Bool", "boolean"),
+                    ))
+                }
+                Some(v) => {
+                    // Integers where numbers are expected are numbers.
+                    if let Err(m) = ty.check(&v) {
+                        return Err(config.error(&key, format!("{m}, got {v}")));
+                    }
+                    if ty == ParamType::Count {
+                        if let Some(Err(m)) = v.as_i64().map(mlex_core::config::count) {
+                            return Err(config.error(&key, m));
+                        }
+                    }
+                    Some(match map {
+                        None => v,
+                        Some(m) => {
+                            let k = match &v {
+                                Value::String(s) => s.clone(),
+                                other => other.to_string(),
+                            };
+                            match m.get(&k) {
+                                Some(x) => to_json(x),
+                                None => {
+                                    let known: Vec<&str> = m.keys().map(String::as_str).collect();
+                                    return Err(config.error(
+                                        &key,
+                                        format!(
+                                            "unsupported value {v} (supported: {})",
+                                            known.join(", ")
+                                        ),
+                                    ));
+                                }
+                            }
+                        }
+                    })
+                }
+            };
+            values.insert(name.clone(), value);
+        }
+        // Gates last: a gated parameter is absent when its gate is false.
+        for (name, p) in &spec.params {
+            if let ParamSpec::Full(ParamTable {
+                only_if: Some(g), ..
+            }) = p
+            {
+                let on = values
+                    .get(g)
+                    .and_then(|v| v.as_ref())
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                if !on {
+                    values.insert(name.clone(), None);
+                }
+            }
+        }
+        Ok(Self { config, values })
+    }
+
+    /// The value of `"$name"`, or a literal.
+    fn value(&self, v: &toml::Value) -> Option<Value> {
+        match v {
+            toml::Value::String(s) if s.starts_with('$') => {
+                self.values.get(&s[1..]).cloned().flatten()
+            }
+            toml::Value::Table(t) => {
+                let mut m = Map::new();
+                for (k, x) in t {
+                    if let Some(r) = self.value(x) {
+                        m.insert(k.clone(), r);
+                    }
+                }
+                Some(Value::Object(m))
+            }
+            toml::Value::Array(a) => Some(Value::Array(
+                a.iter().filter_map(|x| self.value(x)).collect(),
+            )),
+            other => Some(to_json(other)),
+        }
+    }
+
+    fn required(&self, v: &toml::Value, what: &str) -> Result<Value> {
+        self.value(v).ok_or_else(|| {
+            self.config.error(
+                what,
+                format!("has no value ({v} is absent from the config)"),
+            )
+        })
+    }
+
+    fn int(&self, v: &toml::Value, what: &str) -> Result<i64> {
+        let x = self.required(v, what)?;
+        x.as_i64().ok_or_else(|| {
+            self.config
+                .error(what, format!("expected an integer, got {x}"))
+        })
+    }
+
+    fn float(&self, v: &toml::Value, what: &str) -> Result<f64> {
+        let x = self.required(v, what)?;
+        x.as_f64().ok_or_else(|| {
+            self.config
+                .error(what, format!("expected a number, got {x}"))
+        })
+    }
+
+    fn flag(&self, v: &toml::Value) -> bool {
+        self.value(v).and_then(|x| x.as_bool()).unwrap_or(false)
+    }
+}
+
+fn kind_count(v: &Value) -> usize {
+    v.as_i64().unwrap_or(0).max(0) as usize
+}
+
+impl SpecArchitecture {
+    fn lifted(&self, config: &ModelConfig) -> Result<ModelConfig> {
+        let mut text = match &self.spec.text_config {
+            Some(key) => match config.value().get(key) {
+                Some(v) if !v.is_object() => {
+                    return Err(config.error(key, "expected an object"));
+                }
+                Some(v) => v.clone(),
+                None => config.value().clone(),
+            },
+            None => config.value().clone(),
+        };
+        if let Some(obj) = text.as_object_mut() {
+            for (k, v) in &self.spec.config_defaults {
+                if obj.get(k).is_none_or(Value::is_null) {
+                    obj.insert(k.clone(), to_json(v));
+                }
+            }
+        }
+        Ok(ModelConfig::new(text, config.file()))
+    }
+
+    fn kinds_of_layers(&self, r: &Resolved<'_>) -> Result<Vec<String>> {
+        let l = &self.spec.layers;
+        let config = r.config;
+        let count = |r: &Resolved<'_>| -> Result<usize> {
+            let c = l.count.as_ref().ok_or_else(|| {
+                config.error(
+                    "layers.count",
+                    "the spec's [layers] needs `count` for this rule",
+                )
+            })?;
+            Ok(r.int(c, "num_hidden_layers")?.max(0) as usize)
+        };
+        if let Some(p) = &l.pattern {
+            return Ok((0..count(r)?).map(|i| p[i % p.len()].clone()).collect());
+        }
+        if let Some(iv) = &l.interval {
+            let every = r.int(&iv.every, "layers.interval.every")?.max(1) as usize;
+            return Ok((0..count(r)?)
+                .map(|i| {
+                    if (i + 1) % every == 0 {
+                        iv.on.clone()
+                    } else {
+                        iv.off.clone()
+                    }
+                })
+                .collect());
+        }
+        let c = l.codes.as_ref().expect("checked: one pattern rule");
+        let name = c.from.trim_start_matches('$');
+        let key = self.param_key(name);
+        let v = r.values.get(name).cloned().flatten().ok_or_else(|| {
+            config.error(&key, "missing: the config must describe the layer stack")
+        })?;
+        let codes: Vec<String> = match &v {
+            Value::String(s) => s.chars().map(String::from).collect(),
+            Value::Array(a) => a
+                .iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect(),
+            _ => return Err(config.error(&key, "expected a string or a list")),
+        };
+        // A layer count the config states must agree with the pattern.
+        if let Some(n) = l
+            .count
+            .as_ref()
+            .and_then(|c| r.value(c))
+            .and_then(|v| v.as_i64())
+        {
+            if n != codes.len() as i64 {
+                return Err(config.error(
+                    &key,
+                    format!(
+                        "describes {} layers but the config says {n} (the pattern must cover every layer)",
+                        codes.len()
+                    ),
+                ));
+            }
+        }
+        codes
+            .iter()
+            .enumerate()
+            .map(|(i, code)| {
+                c.map.get(code).cloned().ok_or_else(|| {
+                    let known: Vec<&str> = c.map.keys().map(String::as_str).collect();
+                    config.error(
+                        &key,
+                        format!(
+                            "unknown layer `{code}` at position {i} (known: {})",
+                            known.join(", ")
+                        ),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// The config key a parameter reads (its first), for errors.
+    fn param_key(&self, name: &str) -> String {
+        match self.spec.params.get(name) {
+            Some(ParamSpec::Full(t)) => t
+                .keys
+                .first()
+                .cloned()
+                .or_else(|| t.key.clone())
+                .unwrap_or_else(|| name.to_owned()),
+            _ => name.to_owned(),
+        }
+    }
+}
+
+/// Kinds whose options hold a feed-forward choice (`mlp`).
+const MLP_KINDS: &[&str] = &["attention", "gated_delta"];
+
+impl Architecture for SpecArchitecture {
+    fn name(&self) -> &str {
+        &self.model_type
+    }
+    fn summary(&self) -> &str {
+        &self.summary
+    }
+    fn text_config(&self, config: &ModelConfig) -> Result<ModelConfig> {
+        self.lifted(config)
+    }
+    fn config_keys(&self) -> Vec<String> {
+        self.spec.config_keys()
+    }
+    fn spec_table(&self) -> Option<&toml::Table> {
+        Some(&self.table)
+    }
+    fn plan(&self, config: &ModelConfig) -> Result<ModelPlan> {
+        let r = Resolved::new(&self.spec, config)?;
+        let m = self.spec.model.as_ref().expect("checked: a model section");
+        let kinds = self.kinds_of_layers(&r)?;
+        let l = &self.spec.layers;
+        let moe_layers: Option<Vec<bool>> = match &l.mlp {
+            Some(MlpRule::Moe(rule)) => {
+                let experts = r.value(&rule.experts).map(|v| kind_count(&v)).unwrap_or(0);
+                let step = match &rule.sparse_step {
+                    Some(v) => r.value(v).and_then(|x| x.as_i64()).unwrap_or(1).max(1),
+                    None => 1,
+                };
+                let dense: Vec<i64> = rule
+                    .dense_layers
+                    .as_ref()
+                    .and_then(|v| r.value(v))
+                    .and_then(|v| {
+                        v.as_array()
+                            .map(|a| a.iter().filter_map(Value::as_i64).collect())
+                    })
+                    .unwrap_or_default();
+                Some(
+                    (0..kinds.len())
+                        .map(|i| {
+                            experts > 0
+                                && !dense.contains(&(i as i64))
+                                && (i as i64 + 1) % step == 0
+                        })
+                        .collect(),
+                )
+            }
+            _ => None,
+        };
+        let where_lists: Vec<(Vec<String>, &WhereRule)> = l
+            .where_
+            .iter()
+            .map(|w| {
+                let list = r
+                    .values
+                    .get(w.list.trim_start_matches('$'))
+                    .cloned()
+                    .flatten()
+                    .and_then(|v| {
+                        v.as_array().map(|a| {
+                            a.iter()
+                                .map(|x| x.as_str().unwrap_or("").to_owned())
+                                .collect()
+                        })
+                    })
+                    .unwrap_or_default();
+                (list, w)
+            })
+            .collect();
+        let mut layers = Vec::with_capacity(kinds.len());
+        for (i, kind) in kinds.into_iter().enumerate() {
+            let mut options = match self.spec.kinds.get(&kind) {
+                Some(t) => r
+                    .value(&toml::Value::Table(t.clone()))
+                    .unwrap_or(Value::Null),
+                None => Value::Object(Map::new()),
+            };
+            if MLP_KINDS.contains(&kind.as_str()) {
+                let mlp = match &l.mlp {
+                    Some(MlpRule::Fixed(k)) => Some(k.clone()),
+                    Some(MlpRule::Moe(rule)) => {
+                        Some(if moe_layers.as_ref().is_some_and(|v| v[i]) {
+                            rule.moe.clone()
+                        } else {
+                            rule.dense.clone()
+                        })
+                    }
+                    None => None,
+                };
+                if let (Some(mlp), Some(o)) = (mlp, options.as_object_mut()) {
+                    o.insert("mlp".into(), Value::String(mlp));
+                }
+            }
+            for (list, w) in &where_lists {
+                if list.get(i).is_some_and(|x| x == &w.equals) {
+                    if let (Some(extra), Some(o)) = (
+                        r.value(&toml::Value::Table(w.options.clone())),
+                        options.as_object_mut(),
+                    ) {
+                        if let Some(e) = extra.as_object() {
+                            for (k, v) in e {
+                                o.insert(k.clone(), v.clone());
+                            }
+                        }
+                    }
+                }
+            }
+            layers.push(LayerPlan {
+                kind,
+                prefix: format!("{}.{i}", m.layers),
+                options,
+            });
+        }
+        let tie = m.tie.as_ref().is_some_and(|t| r.flag(t));
+        let softcap = match &m.logit_softcap {
+            Some(v) => r.value(v).and_then(|x| x.as_f64()).filter(|c| *c > 0.0),
+            None => None,
+        };
+        Ok(ModelPlan {
+            vocab_size: r.int(&m.vocab_size, "vocab_size")? as i32,
+            hidden_size: r.int(&m.hidden_size, "hidden_size")? as i32,
+            embed: m.embed.clone(),
+            layers,
+            final_norm: m.final_norm.clone(),
+            norm_eps: r.float(&m.norm_eps, "norm_eps")? as f32,
+            head: if tie {
+                HeadPlan::Tied
+            } else {
+                HeadPlan::Linear(m.head.clone())
+            },
+            logit_softcap: softcap.map(|c| c as f32),
+            max_context: match &m.max_context {
+                Some(v) => r.value(v).and_then(|x| x.as_u64()).map(|n| n as usize),
+                None => None,
+            },
+        })
+    }
+    fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
+        let text = self.lifted(config)?;
+        let r = Resolved::new(&self.spec, &text)?;
+        let layer_count = self
+            .spec
+            .layers
+            .count
+            .as_ref()
+            .and_then(|c| r.value(c))
+            .map(|v| kind_count(&v))
+            .or_else(|| self.kinds_of_layers(&r).ok().map(|k| k.len()))
+            .unwrap_or(0);
+        // Conditions see the checkpoint as read, before any step.
+        let names = weights.names();
+        let gates: Vec<bool> = self
+            .spec
+            .sanitize
+            .iter()
+            .map(|s| {
+                s.when
+                    .as_ref()
+                    .is_none_or(|w| r.flag(&toml::Value::String(w.clone())))
+                    && s.if_tensor_ending
+                        .as_ref()
+                        .is_none_or(|e| names.iter().any(|n| n.ends_with(e.as_str())))
+                    && s.if_torch_conv
+                        .as_ref()
+                        .is_none_or(|m| steps::has_torch_conv(weights, m))
+            })
+            .collect();
+        for (s, on) in self.spec.sanitize.iter().zip(gates) {
+            if !on {
+                continue;
+            }
+            if let Some(p) = &s.drop_prefix {
+                steps::drop_where(weights, |n| p.iter().any(|x| n.starts_with(x.as_str())))?;
+            }
+            if let Some(p) = &s.drop_containing {
+                steps::drop_where(weights, |n| p.iter().any(|x| n.contains(x.as_str())))?;
+            }
+            if let Some(m) = &s.drop_module {
+                steps::drop_prefix(weights, m)?;
+            }
+            if let Some([from, to]) = &s.rename_prefix {
+                weights.rename_all(|n| {
+                    Some(match n.strip_prefix(from.as_str()) {
+                        Some(rest) => format!("{to}{rest}"),
+                        None => n.to_owned(),
+                    })
+                })?;
+            }
+            if let Some(p) = &s.add_prefix {
+                weights.rename_all(|n| {
+                    Some(if n.starts_with(p.as_str()) {
+                        n.to_owned()
+                    } else {
+                        format!("{p}{n}")
+                    })
+                })?;
+            }
+            if let Some(m) = &s.conv_to_mlx {
+                steps::conv_to_mlx(weights, m)?;
+            }
+            if let Some(sfx) = &s.norm_plus_one {
+                let v: Vec<&str> = sfx.iter().map(String::as_str).collect();
+                steps::norm_plus_one(weights, &v)?;
+            }
+            if let Some(se) = &s.stack_experts {
+                let experts = r.value(&se.experts).map(|v| kind_count(&v)).unwrap_or(0);
+                let names: Vec<(&str, &str)> = se
+                    .names
+                    .iter()
+                    .map(|[a, b]| (a.as_str(), b.as_str()))
+                    .collect();
+                for i in 0..layer_count {
+                    let module = se.module.replace("{i}", &i.to_string());
+                    steps::stack_experts(weights, &module, experts, &names)?;
+                }
+            }
+            if let Some(m) = &s.split_fused_experts {
+                for i in 0..layer_count {
+                    steps::split_gate_up(weights, &m.replace("{i}", &i.to_string()))?;
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -122,30 +122,6 @@ impl BuildCtx<'_> {
         }
     }
 
-    /// A string option, or `default`.
-    pub fn opt_str<'s>(&'s self, key: &str, default: &'s str) -> &'s str {
-        self.options
-            .get(key)
-            .and_then(Value::as_str)
-            .unwrap_or(default)
-    }
-
-    /// A boolean option, or `default`.
-    pub fn opt_bool(&self, key: &str, default: bool) -> bool {
-        self.options
-            .get(key)
-            .and_then(Value::as_bool)
-            .unwrap_or(default)
-    }
-
-    /// A numeric option, or `default`.
-    pub fn opt_f64(&self, key: &str, default: f64) -> f64 {
-        self.options
-            .get(key)
-            .and_then(Value::as_f64)
-            .unwrap_or(default)
-    }
-
     /// An integer config key (required).
     pub fn cfg_i32(&self, key: &str) -> Result<i32> {
         self.config
@@ -157,62 +133,6 @@ impl BuildCtx<'_> {
                 self.config
                     .error(key, "missing or not an integer (needed by this layer kind)")
             })
-    }
-
-    /// A count or size config key (heads, widths, kernel sizes): an integer
-    /// from 1 to `i32::MAX`, else an error naming the key. Zero heads would
-    /// otherwise divide by zero while the model is built.
-    pub fn cfg_count(&self, key: &str) -> Result<i32> {
-        match self.config.value().get(key) {
-            None => Err(self
-                .config
-                .error(key, "missing (needed by this layer kind)")),
-            Some(v) => self.count_of(key, v),
-        }
-    }
-
-    /// An optional count or size config key (see [`cfg_count`](Self::cfg_count)).
-    pub fn cfg_count_opt(&self, key: &str) -> Result<Option<i32>> {
-        match self.config.value().get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => self.count_of(key, v).map(Some),
-        }
-    }
-
-    fn count_of(&self, key: &str, v: &Value) -> Result<i32> {
-        match v.as_i64() {
-            Some(n) => crate::config::count(n).map_err(|m| self.config.error(key, m)),
-            None => Err(self
-                .config
-                .error(key, format!("must be a positive integer, got {v}"))),
-        }
-    }
-
-    /// An optional integer config key.
-    pub fn cfg_i32_opt(&self, key: &str) -> Option<i32> {
-        self.config
-            .value()
-            .get(key)
-            .and_then(Value::as_i64)
-            .map(|v| v as i32)
-    }
-
-    /// A float config key, or `default`.
-    pub fn cfg_f64_or(&self, key: &str, default: f64) -> f64 {
-        self.config
-            .value()
-            .get(key)
-            .and_then(Value::as_f64)
-            .unwrap_or(default)
-    }
-
-    /// A boolean config key, or `default`.
-    pub fn cfg_bool_or(&self, key: &str, default: bool) -> bool {
-        self.config
-            .value()
-            .get(key)
-            .and_then(Value::as_bool)
-            .unwrap_or(default)
     }
 }
 
@@ -228,15 +148,10 @@ pub trait LayerKind: Send + Sync {
     /// One line for `mlex list`.
     fn summary(&self) -> &'static str;
 
-    /// The `config.json` keys its layers read (sizes, epsilons), for the
-    /// generated `docs/architectures.md`.
-    fn config_keys(&self) -> &'static [&'static str] {
-        &[]
-    }
-
     /// The option names its options struct takes (empty: not checked), so
-    /// that a spec's `[kinds.<kind>]` table is checked when it is read;
-    /// [`crate::config::struct_fields`] gives them for a serde struct.
+    /// that a spec's `[kinds.<kind>]` table is checked when it is read and
+    /// `docs/architectures.md` lists them; [`crate::config::struct_fields`]
+    /// gives them for a serde struct.
     fn option_keys(&self) -> &'static [&'static str] {
         &[]
     }

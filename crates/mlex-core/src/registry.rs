@@ -160,8 +160,8 @@ pub struct Listing {
     pub origin: String,
     /// One-line summary.
     pub summary: String,
-    /// The config keys an architecture's parameters or a layer kind's
-    /// layers read (empty for cache kinds).
+    /// The config keys an architecture's parameters read, or the options a
+    /// layer kind takes (empty for cache kinds).
     pub config_keys: Vec<String>,
 }
 
@@ -310,7 +310,7 @@ impl Registry {
                 summary: s.item.summary().to_owned(),
                 config_keys: s
                     .item
-                    .config_keys()
+                    .option_keys()
                     .iter()
                     .map(|k| (*k).to_owned())
                     .collect(),

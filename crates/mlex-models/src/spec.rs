@@ -130,7 +130,8 @@ pub struct ParamTable {
     /// the known ones.
     #[serde(default)]
     pub map: Option<toml::Table>,
-    /// The parameter is absent unless this boolean parameter is true.
+    /// The parameter is absent unless this parameter is true (a non-zero
+    /// number, a non-empty string or list count as true).
     #[serde(default)]
     pub only_if: Option<String>,
 }
@@ -153,6 +154,8 @@ pub enum ParamType {
     IntList,
     /// A list of strings.
     StringList,
+    /// A list of numbers.
+    FloatList,
     /// A string or a list of strings (layer patterns).
     Pattern,
     /// An object (e.g. RoPE scaling), passed through.
@@ -171,6 +174,9 @@ impl ParamType {
                 .as_array()
                 .is_some_and(|a| a.iter().all(|x| x.as_i64().is_some())),
             ParamType::StringList => v.as_array().is_some_and(|a| a.iter().all(Value::is_string)),
+            ParamType::FloatList => v
+                .as_array()
+                .is_some_and(|a| a.iter().all(|x| x.as_f64().is_some())),
             ParamType::Pattern => {
                 v.is_string() || v.as_array().is_some_and(|a| a.iter().all(Value::is_string))
             }
@@ -187,6 +193,7 @@ impl ParamType {
                 ParamType::String => "expected a string",
                 ParamType::IntList => "expected a list of integers",
                 ParamType::StringList => "expected a list of strings",
+                ParamType::FloatList => "expected a list of numbers",
                 ParamType::Pattern => "expected a string or a list of strings",
                 ParamType::Object => "expected an object",
             })
@@ -848,11 +855,16 @@ impl<'a> Resolved<'a> {
                 only_if: Some(g), ..
             }) = p
             {
-                let on = values
-                    .get(g)
-                    .and_then(|v| v.as_ref())
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false);
+                // Truthy as in Python: true, a non-zero number, a
+                // non-empty string or list.
+                let on = match values.get(g).and_then(|v| v.as_ref()) {
+                    Some(Value::Bool(b)) => *b,
+                    Some(Value::Number(n)) => n.as_f64().is_some_and(|x| x != 0.0),
+                    Some(Value::String(s)) => !s.is_empty(),
+                    Some(Value::Array(a)) => !a.is_empty(),
+                    Some(Value::Object(o)) => !o.is_empty(),
+                    _ => false,
+                };
                 if !on {
                     values.insert(name.clone(), None);
                 }

@@ -105,7 +105,11 @@ impl Architecture for ToyExt {
                 options: if i % 2 == 0 {
                     json!({})
                 } else {
-                    json!({"mlp": "none", "post_norm": null})
+                    // mlex's attention kind takes its sizes as options.
+                    json!({"mlp": "none", "post_norm": null,
+                           "hidden_size": int("hidden_size"),
+                           "num_attention_heads": int("num_attention_heads"),
+                           "norm_eps": v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6)})
                 },
             })
             .collect();

@@ -42,8 +42,9 @@ pub fn markdown(items: &[Listing]) -> String {
          shipped `mlex` binary; a test fails when this file is stale. Origins are the \
          spec file an architecture is built from (built-ins are embedded from \
          `crates/mlex-models/architectures/`), or the registering Rust module. Config keys \
-         are those an architecture's `[params]` read and those a layer kind's layers read \
-         (sizes, epsilons). The spec format: `docs/architecture-specs.md`.\n",
+         are those an architecture's `[params]` read; a layer kind reads none and takes \
+         the options listed (a spec's `[kinds.<kind>]`). The spec format: \
+         `docs/architecture-specs.md`.\n",
     );
     for (what, title) in [
         ("architecture", "Architectures"),
@@ -54,7 +55,7 @@ pub fn markdown(items: &[Listing]) -> String {
         if what == "architecture" {
             out.push_str("| model_type | what it is | from | config keys |\n|---|---|---|---|\n");
         } else if what == "layer kind" {
-            out.push_str("| name | what it is | from | config keys |\n|---|---|---|---|\n");
+            out.push_str("| name | what it is | from | options |\n|---|---|---|---|\n");
         } else {
             out.push_str("| name | what it is | from |\n|---|---|---|\n");
         }

@@ -14,7 +14,7 @@
 use super::canon::Canon;
 use super::ffn::Ffn;
 use super::rope::Rope;
-use super::{ffn_spec, norm_eps};
+use super::{ffn_spec, size, FfnSizes};
 use mlex_cache::{KvCache, RotatingKvCache, StateCache};
 use mlex_core::cache::{AttentionMask, Cache};
 use mlex_core::config::parse_value;
@@ -60,17 +60,28 @@ fn d_qk_norm() -> QkNorm {
 fn d_true() -> bool {
     true
 }
-fn d_eps_key() -> String {
-    "rms_norm_eps".into()
-}
 
-/// Options of the `attention` kind (all optional; sizes come from config
-/// keys `hidden_size`, `num_attention_heads`, `num_key_value_heads`,
-/// `head_dim`, `intermediate_size`, `rope_theta`, `rope_scaling`,
-/// `partial_rotary_factor`).
+/// Options of the `attention` kind: its sizes (named after the config keys
+/// they usually come from), weight-name templates and switches.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AttentionOptions {
+    /// Residual width.
+    pub hidden_size: i32,
+    /// Query heads.
+    pub num_attention_heads: i32,
+    /// Key/value heads (default: as many as query heads).
+    #[serde(default)]
+    pub num_key_value_heads: Option<i32>,
+    /// Head size (default: `hidden_size / num_attention_heads`).
+    #[serde(default)]
+    pub head_dim: Option<i32>,
+    /// Epsilon of the layer's RMS norms.
+    #[serde(default = "super::default_eps")]
+    pub norm_eps: f64,
+    /// Feed-forward sizes (when `mlp` is not `none`).
+    #[serde(default)]
+    pub ffn_sizes: FfnSizes,
     /// Attention module name under the layer prefix.
     #[serde(default = "d_attn")]
     pub attn: String,
@@ -107,13 +118,13 @@ pub struct AttentionOptions {
     /// Rotate `pair-wise` (traditional) instead of halves.
     #[serde(default)]
     pub rope_traditional: bool,
-    /// Fraction of head dims rotated (default: config `partial_rotary_factor` or 1).
+    /// Fraction of head dims rotated (default 1).
     #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
-    /// RoPE base (default: config `rope_theta` or 10000).
+    /// RoPE base (default 10000).
     #[serde(default)]
     pub rope_theta: Option<f64>,
-    /// RoPE scaling object (default: config `rope_scaling`).
+    /// RoPE scaling object (`type`/`rope_type` default, linear, llama3, mrope).
     #[serde(default)]
     pub rope_scaling: Option<Value>,
     /// Use the layer's `rotary_emb.inv_freq` tensor when present.
@@ -122,9 +133,6 @@ pub struct AttentionOptions {
     /// Sliding window (rotating cache) size.
     #[serde(default)]
     pub sliding_window: Option<usize>,
-    /// Config key of the norm epsilon.
-    #[serde(default = "d_eps_key")]
-    pub eps_key: String,
     /// Canon convolutions (DharaAR).
     #[serde(default)]
     pub canon: Option<CanonOptions>,
@@ -187,32 +195,6 @@ impl LayerKind for AttentionKind {
     fn option_keys(&self) -> &'static [&'static str] {
         mlex_core::config::struct_fields::<AttentionOptions>()
     }
-    fn config_keys(&self) -> &'static [&'static str] {
-        &[
-            "hidden_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "rms_norm_eps",
-            "layer_norm_epsilon",
-            "rope_theta",
-            "rope_scaling",
-            "partial_rotary_factor",
-            "intermediate_size",
-            "num_experts",
-            "num_experts_per_tok",
-            "moe_intermediate_size",
-            "norm_topk_prob",
-            "shared_expert_intermediate_size",
-            "n_routed_experts",
-            "n_shared_experts",
-            "n_group",
-            "topk_group",
-            "routed_scaling_factor",
-            "moe_shared_expert_intermediate_size",
-            "mlp_bias",
-        ]
-    }
     fn state(&self) -> StateKind {
         StateKind::Growing
     }
@@ -231,9 +213,17 @@ impl LayerKind for AttentionKind {
 
 impl Attention {
     fn build(ctx: &mut BuildCtx<'_>, o: &AttentionOptions) -> Result<Self> {
-        let hidden = ctx.cfg_count("hidden_size")?;
-        let n_heads = ctx.cfg_count("num_attention_heads")?;
-        let n_kv_heads = ctx.cfg_count_opt("num_key_value_heads")?.unwrap_or(n_heads);
+        let hidden = size(ctx, "attention", "hidden_size", o.hidden_size)?;
+        let n_heads = size(
+            ctx,
+            "attention",
+            "num_attention_heads",
+            o.num_attention_heads,
+        )?;
+        let n_kv_heads = match o.num_key_value_heads {
+            Some(n) => size(ctx, "attention", "num_key_value_heads", n)?,
+            None => n_heads,
+        };
         if n_heads % n_kv_heads != 0 {
             return Err(ctx.config.error(
                 "num_key_value_heads",
@@ -242,8 +232,8 @@ impl Attention {
                 ),
             ));
         }
-        let head_dim = match ctx.cfg_count_opt("head_dim")? {
-            Some(d) => d,
+        let head_dim = match o.head_dim {
+            Some(d) => size(ctx, "attention", "head_dim", d)?,
             None if hidden % n_heads == 0 => hidden / n_heads,
             None => {
                 return Err(ctx.config.error(
@@ -254,8 +244,7 @@ impl Attention {
                 ))
             }
         };
-        let eps = norm_eps(ctx, &o.eps_key);
-        let cfg = ctx.config.value().clone();
+        let eps = o.norm_eps as f32;
         let attn_prefix = ctx.path(&o.attn);
         let a = |n: &str| format!("{attn_prefix}.{n}");
         let input_norm = match &o.input_norm {
@@ -300,19 +289,10 @@ impl Attention {
             None
         };
         let rope = if o.rope {
-            let partial = o
-                .partial_rotary_factor
-                .or_else(|| cfg.get("partial_rotary_factor").and_then(Value::as_f64))
-                .unwrap_or(1.0);
+            let partial = o.partial_rotary_factor.unwrap_or(1.0);
             let dims = (head_dim as f64 * partial) as i32;
-            let base = o
-                .rope_theta
-                .or_else(|| cfg.get("rope_theta").and_then(Value::as_f64))
-                .unwrap_or(10000.0) as f32;
-            let scaling = o
-                .rope_scaling
-                .clone()
-                .or_else(|| cfg.get("rope_scaling").cloned());
+            let base = o.rope_theta.unwrap_or(10000.0) as f32;
+            let scaling = o.rope_scaling.clone();
             Some(Rope::from_scaling(
                 ctx.config,
                 dims,
@@ -325,7 +305,7 @@ impl Attention {
         };
         let (post_norm, ffn, intermediate) = match (&o.post_norm, o.mlp.as_str()) {
             (Some(n), kind) if kind != "none" => {
-                let spec = ffn_spec(ctx, kind, o.mlp_bias)?;
+                let spec = ffn_spec(ctx, "attention", hidden, kind, o.mlp_bias, &o.ffn_sizes)?;
                 let post = RmsNorm::load(ctx.weights, &ctx.path(n), hidden, eps)?;
                 let ffn = Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?;
                 (Some(post), Some(ffn), spec.intermediate)

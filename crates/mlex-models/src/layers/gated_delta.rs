@@ -13,7 +13,7 @@
 //! fixed size, so the whole layer is one pure phase.
 
 use super::ffn::Ffn;
-use super::{ffn_spec, norm_eps};
+use super::{ffn_spec, size, FfnSizes};
 use mlex_cache::{conv_window_step, StateCache};
 use mlex_core::cache::Cache;
 use mlex_core::config::parse_value;
@@ -44,12 +44,29 @@ fn d_mlp_prefix() -> String {
     "mlp".into()
 }
 
-/// Options of the `gated_delta` kind. Sizes come from config keys
-/// `linear_num_value_heads`, `linear_num_key_heads`, `linear_key_head_dim`,
-/// `linear_value_head_dim`, `linear_conv_kernel_dim`.
+/// Options of the `gated_delta` kind: its sizes (named after the config
+/// keys they usually come from), weight names and feed-forward.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GatedDeltaOptions {
+    /// Residual width.
+    pub hidden_size: i32,
+    /// Value heads.
+    pub linear_num_value_heads: i32,
+    /// Key heads (divide the value heads).
+    pub linear_num_key_heads: i32,
+    /// Key head size.
+    pub linear_key_head_dim: i32,
+    /// Value head size.
+    pub linear_value_head_dim: i32,
+    /// Short convolution width.
+    pub linear_conv_kernel_dim: i32,
+    /// Epsilon of the layer's RMS norms.
+    #[serde(default = "super::default_eps")]
+    pub norm_eps: f64,
+    /// Feed-forward sizes (when `mlp` is not `none`).
+    #[serde(default)]
+    pub ffn_sizes: FfnSizes,
     /// Mixer module name.
     #[serde(default = "d_mixer")]
     pub mixer: String,
@@ -112,30 +129,6 @@ impl LayerKind for GatedDeltaKind {
     fn option_keys(&self) -> &'static [&'static str] {
         mlex_core::config::struct_fields::<GatedDeltaOptions>()
     }
-    fn config_keys(&self) -> &'static [&'static str] {
-        &[
-            "hidden_size",
-            "linear_num_value_heads",
-            "linear_num_key_heads",
-            "linear_key_head_dim",
-            "linear_value_head_dim",
-            "linear_conv_kernel_dim",
-            "rms_norm_eps",
-            "intermediate_size",
-            "num_experts",
-            "num_experts_per_tok",
-            "moe_intermediate_size",
-            "norm_topk_prob",
-            "shared_expert_intermediate_size",
-            "n_routed_experts",
-            "n_shared_experts",
-            "n_group",
-            "topk_group",
-            "routed_scaling_factor",
-            "moe_shared_expert_intermediate_size",
-            "mlp_bias",
-        ]
-    }
     fn state(&self) -> StateKind {
         StateKind::Fixed
     }
@@ -148,19 +141,20 @@ impl LayerKind for GatedDeltaKind {
             ctx.config.file(),
             &format!("options of layer {} (gated_delta)", ctx.index),
         )?;
-        let hidden = ctx.cfg_count("hidden_size")?;
-        let nv = ctx.cfg_count("linear_num_value_heads")?;
-        let nk = ctx.cfg_count("linear_num_key_heads")?;
-        let dk = ctx.cfg_count("linear_key_head_dim")?;
-        let dv = ctx.cfg_count("linear_value_head_dim")?;
-        let kernel = ctx.cfg_count("linear_conv_kernel_dim")?;
+        let sz = |name: &str, v: i32| size(ctx, "gated_delta", name, v);
+        let hidden = sz("hidden_size", o.hidden_size)?;
+        let nv = sz("linear_num_value_heads", o.linear_num_value_heads)?;
+        let nk = sz("linear_num_key_heads", o.linear_num_key_heads)?;
+        let dk = sz("linear_key_head_dim", o.linear_key_head_dim)?;
+        let dv = sz("linear_value_head_dim", o.linear_value_head_dim)?;
+        let kernel = sz("linear_conv_kernel_dim", o.linear_conv_kernel_dim)?;
         if nv % nk != 0 {
             return Err(ctx.config.error(
                 "linear_num_value_heads",
                 format!("{nv} value heads are not a multiple of {nk} key heads"),
             ));
         }
-        let eps = norm_eps(ctx, "rms_norm_eps");
+        let eps = o.norm_eps as f32;
         let mixer_prefix = ctx.path(&o.mixer);
         let m = |n: &str| format!("{mixer_prefix}.{n}");
         let (key_dim, value_dim) = (nk * dk, nv * dv);
@@ -197,7 +191,7 @@ impl LayerKind for GatedDeltaKind {
         let out_proj = Linear::load(ctx.weights, &m("out_proj"), value_dim, hidden, false)?;
         let (post_norm, ffn) = match (&o.post_norm, o.mlp.as_str()) {
             (Some(n), kind) if kind != "none" => {
-                let spec = ffn_spec(ctx, kind, false)?;
+                let spec = ffn_spec(ctx, "gated_delta", hidden, kind, false, &o.ffn_sizes)?;
                 (
                     Some(RmsNorm::load(ctx.weights, &ctx.path(n), hidden, eps)?),
                     Some(Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?),

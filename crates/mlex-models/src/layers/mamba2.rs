@@ -5,7 +5,7 @@
 //!
 //! State: conv window `[B, K-1, C]` and SSM state `[B, H, Dh, Ds]` (f32).
 
-use super::norm_eps;
+use super::size;
 use mlex_cache::{conv_window_step, StateCache};
 use mlex_core::cache::Cache;
 use mlex_core::config::parse_value;
@@ -17,7 +17,6 @@ use mlex_kernels::{mamba2, Dispatch};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{fast, ops, Array, Dtype};
 use serde::Deserialize;
-use serde_json::Value;
 
 /// SSD chunk length (mlx-lm's `step`).
 const CHUNK: i32 = 256;
@@ -28,25 +27,49 @@ fn d_norm() -> String {
 fn d_mixer() -> String {
     "mixer".into()
 }
-fn d_eps_key() -> String {
-    "layer_norm_epsilon".into()
+fn d_one() -> i32 {
+    1
+}
+fn d_true() -> bool {
+    true
 }
 
-/// Options of the `mamba2` kind. Sizes from config keys `mamba_num_heads`,
-/// `mamba_head_dim`, `ssm_state_size`, `conv_kernel`, `n_groups`,
-/// `use_conv_bias`, `mamba_proj_bias`, `time_step_limit`.
+/// Options of the `mamba2` kind: its sizes (named after the config keys
+/// they usually come from) and weight names.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Mamba2Options {
+    /// Residual width.
+    pub hidden_size: i32,
+    /// SSM heads.
+    pub mamba_num_heads: i32,
+    /// SSM head size.
+    pub mamba_head_dim: i32,
+    /// SSM state size.
+    pub ssm_state_size: i32,
+    /// Convolution width.
+    pub conv_kernel: i32,
+    /// B/C groups (divide the heads).
+    #[serde(default = "d_one")]
+    pub n_groups: i32,
+    /// Biases on the in/out projections.
+    #[serde(default)]
+    pub mamba_proj_bias: bool,
+    /// Bias on the convolution.
+    #[serde(default = "d_true")]
+    pub use_conv_bias: bool,
+    /// The clip range of `dt` (default: none).
+    #[serde(default)]
+    pub time_step_limit: Option<Vec<f64>>,
+    /// Epsilon of the layer's norms.
+    #[serde(default = "super::default_eps")]
+    pub norm_eps: f64,
     /// Norm name.
     #[serde(default = "d_norm")]
     pub norm: String,
     /// Mixer name.
     #[serde(default = "d_mixer")]
     pub mixer: String,
-    /// Config key of the norm epsilon.
-    #[serde(default = "d_eps_key")]
-    pub eps_key: String,
 }
 
 /// A built Mamba2 layer.
@@ -78,20 +101,6 @@ impl LayerKind for Mamba2Kind {
     fn option_keys(&self) -> &'static [&'static str] {
         mlex_core::config::struct_fields::<Mamba2Options>()
     }
-    fn config_keys(&self) -> &'static [&'static str] {
-        &[
-            "hidden_size",
-            "mamba_num_heads",
-            "mamba_head_dim",
-            "ssm_state_size",
-            "conv_kernel",
-            "n_groups",
-            "mamba_proj_bias",
-            "use_conv_bias",
-            "time_step_limit",
-            "layer_norm_epsilon",
-        ]
-    }
     fn state(&self) -> StateKind {
         StateKind::Fixed
     }
@@ -104,27 +113,25 @@ impl LayerKind for Mamba2Kind {
             ctx.config.file(),
             &format!("options of layer {} (mamba2)", ctx.index),
         )?;
-        let hidden = ctx.cfg_count("hidden_size")?;
-        let heads = ctx.cfg_count("mamba_num_heads")?;
-        let head_dim = ctx.cfg_count("mamba_head_dim")?;
-        let state_dim = ctx.cfg_count("ssm_state_size")?;
-        let kernel = ctx.cfg_count("conv_kernel")?;
-        let groups = ctx.cfg_count_opt("n_groups")?.unwrap_or(1);
+        let sz = |name: &str, v: i32| size(ctx, "mamba2", name, v);
+        let hidden = sz("hidden_size", o.hidden_size)?;
+        let heads = sz("mamba_num_heads", o.mamba_num_heads)?;
+        let head_dim = sz("mamba_head_dim", o.mamba_head_dim)?;
+        let state_dim = sz("ssm_state_size", o.ssm_state_size)?;
+        let kernel = sz("conv_kernel", o.conv_kernel)?;
+        let groups = sz("n_groups", o.n_groups)?;
         if heads % groups != 0 {
             return Err(ctx.config.error(
                 "n_groups",
                 format!("{groups} groups do not divide mamba_num_heads {heads}"),
             ));
         }
-        let eps = norm_eps(ctx, &o.eps_key);
+        let eps = o.norm_eps as f32;
         let inner = heads * head_dim;
         let conv_dim = inner + 2 * groups * state_dim;
-        let proj_bias = ctx.cfg_bool_or("mamba_proj_bias", false);
-        let dt_limit = match ctx.config.value().get("time_step_limit") {
-            Some(Value::Array(v)) if v.len() == 2 => (
-                v[0].as_f64().unwrap_or(0.0) as f32,
-                v[1].as_f64().unwrap_or(f64::INFINITY) as f32,
-            ),
+        let proj_bias = o.mamba_proj_bias;
+        let dt_limit = match o.time_step_limit.as_deref() {
+            Some([lo, hi]) => (*lo as f32, *hi as f32),
             _ => (0.0, f32::INFINITY),
         };
         let mixer_prefix = ctx.path(&o.mixer);
@@ -146,7 +153,7 @@ impl LayerKind for Mamba2Kind {
                 &m("conv1d"),
                 conv_dim,
                 kernel,
-                ctx.cfg_bool_or("use_conv_bias", true),
+                o.use_conv_bias,
             )?,
             dt_bias: ctx.weights.take(&m("dt_bias"), &[heads])?,
             a_log: ctx.weights.take(&m("A_log"), &[heads])?,

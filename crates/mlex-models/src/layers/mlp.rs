@@ -2,7 +2,7 @@
 //! residual and no mixer (NemotronH `-` and `E` layers). Stateless.
 
 use super::ffn::Ffn;
-use super::{ffn_spec, norm_eps};
+use super::{ffn_spec, size, FfnSizes};
 use mlex_core::cache::Cache;
 use mlex_core::config::parse_value;
 use mlex_core::error::Result;
@@ -18,33 +18,18 @@ fn d_norm() -> String {
 fn d_prefix() -> String {
     "mixer".into()
 }
-fn d_eps_key() -> String {
-    "layer_norm_epsilon".into()
-}
-
-/// The config keys `mlp` and `moe` layers read.
-const FFN_LAYER_KEYS: &[&str] = &[
-    "hidden_size",
-    "layer_norm_epsilon",
-    "intermediate_size",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "shared_expert_intermediate_size",
-    "n_routed_experts",
-    "n_shared_experts",
-    "n_group",
-    "topk_group",
-    "routed_scaling_factor",
-    "moe_shared_expert_intermediate_size",
-    "mlp_bias",
-];
-
 /// Options of the `mlp`/`moe` kinds.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FfnLayerOptions {
+    /// Residual width.
+    pub hidden_size: i32,
+    /// Epsilon of the norm.
+    #[serde(default = "super::default_eps")]
+    pub norm_eps: f64,
+    /// Feed-forward sizes.
+    #[serde(default)]
+    pub ffn_sizes: FfnSizes,
     /// Norm name.
     #[serde(default = "d_norm")]
     pub norm: String,
@@ -54,12 +39,9 @@ pub struct FfnLayerOptions {
     /// Feed-forward kind (`relu2`/`swiglu` for `mlp`, `nemotron_moe`/`qwen_moe` for `moe`).
     #[serde(default)]
     pub ffn: Option<String>,
-    /// Biases in the projections (config `mlp_bias` by default).
+    /// Biases in the projections.
     #[serde(default)]
-    pub bias: Option<bool>,
-    /// Config key of the norm epsilon.
-    #[serde(default = "d_eps_key")]
-    pub eps_key: String,
+    pub bias: bool,
 }
 
 /// A pre-norm feed-forward layer.
@@ -75,11 +57,10 @@ fn build(ctx: &mut BuildCtx<'_>, kind: &'static str, default_ffn: &str) -> Resul
         ctx.config.file(),
         &format!("options of layer {} ({kind})", ctx.index),
     )?;
-    let hidden = ctx.cfg_count("hidden_size")?;
-    let eps = norm_eps(ctx, &o.eps_key);
+    let hidden = size(ctx, kind, "hidden_size", o.hidden_size)?;
+    let eps = o.norm_eps as f32;
     let ffn_kind = o.ffn.clone().unwrap_or_else(|| default_ffn.to_owned());
-    let bias = o.bias.unwrap_or_else(|| ctx.cfg_bool_or("mlp_bias", false));
-    let spec = ffn_spec(ctx, &ffn_kind, bias)?;
+    let spec = ffn_spec(ctx, kind, hidden, &ffn_kind, o.bias, &o.ffn_sizes)?;
     Ok(Box::new(FfnLayer {
         kind,
         norm: RmsNorm::load(ctx.weights, &ctx.path(&o.norm), hidden, eps)?,
@@ -96,9 +77,6 @@ impl LayerKind for MlpKind {
     }
     fn option_keys(&self) -> &'static [&'static str] {
         mlex_core::config::struct_fields::<FfnLayerOptions>()
-    }
-    fn config_keys(&self) -> &'static [&'static str] {
-        FFN_LAYER_KEYS
     }
     fn state(&self) -> StateKind {
         StateKind::None
@@ -120,9 +98,6 @@ impl LayerKind for MoeKind {
     }
     fn option_keys(&self) -> &'static [&'static str] {
         mlex_core::config::struct_fields::<FfnLayerOptions>()
-    }
-    fn config_keys(&self) -> &'static [&'static str] {
-        FFN_LAYER_KEYS
     }
     fn state(&self) -> StateKind {
         StateKind::None

@@ -1,6 +1,7 @@
 //! The registered layer kinds: every decoder layer of every architecture is
-//! one of these, configured by options (weight-name templates, switches)
-//! and config keys. This is what lets a TOML file compose a new hybrid.
+//! one of these, configured by one typed options struct per kind (sizes,
+//! weight-name templates, switches) that an architecture spec fills from
+//! its typed parameters. The kinds read no config keys themselves.
 //!
 //! | kind          | layer                                                        |
 //! |---------------|--------------------------------------------------------------|
@@ -21,35 +22,100 @@ pub mod rope;
 use ffn::FfnSpec;
 use mlex_core::error::Result;
 use mlex_core::layer::BuildCtx;
-use serde_json::Value;
+use serde::Deserialize;
 
-/// The feed-forward spec of a layer: `kind` from options, sizes from config
-/// keys (`intermediate_size`, `num_experts`, `num_experts_per_tok`,
-/// `moe_intermediate_size`, `norm_topk_prob`, `shared_expert_intermediate_size`,
-/// NemotronH's `n_routed_experts`, `n_group`, `topk_group`,
-/// `routed_scaling_factor`, `moe_shared_expert_intermediate_size`).
-pub fn ffn_spec(ctx: &BuildCtx<'_>, kind: &str, bias: bool) -> Result<FfnSpec> {
-    let cfg = ctx.config.value();
-    let int = |k: &str| cfg.get(k).and_then(Value::as_i64).map(|v| v as i32);
-    let hidden = ctx.cfg_count("hidden_size")?;
+fn d_one() -> i32 {
+    1
+}
+fn d_one_f() -> f64 {
+    1.0
+}
+fn d_eps() -> f64 {
+    1e-6
+}
+
+/// The feed-forward sizes of a layer (option `ffn_sizes` of the kinds with a
+/// feed-forward part), named after the `config.json` keys they usually come
+/// from. Which fields a kind of feed-forward needs: `swiglu`/`relu2`
+/// `intermediate_size`; `qwen_moe` `num_experts`, `num_experts_per_tok`,
+/// `moe_intermediate_size`, `shared_expert_intermediate_size` (0: none),
+/// `norm_topk_prob`; `nemotron_moe` `n_routed_experts`,
+/// `num_experts_per_tok`, `moe_intermediate_size`,
+/// `moe_shared_expert_intermediate_size` (0: none), `n_group`,
+/// `topk_group`, `norm_topk_prob`, `routed_scaling_factor`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FfnSizes {
+    /// Dense MLP inner width.
+    #[serde(default)]
+    pub intermediate_size: i32,
+    /// Qwen MoE experts.
+    #[serde(default)]
+    pub num_experts: i32,
+    /// Experts per token.
+    #[serde(default)]
+    pub num_experts_per_tok: i32,
+    /// Per-expert inner width.
+    #[serde(default)]
+    pub moe_intermediate_size: i32,
+    /// Qwen shared expert inner width (0: none).
+    #[serde(default)]
+    pub shared_expert_intermediate_size: i32,
+    /// Renormalise the top-k scores.
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    /// NemotronH experts.
+    #[serde(default)]
+    pub n_routed_experts: i32,
+    /// NemotronH shared experts' inner width (0: none).
+    #[serde(default)]
+    pub moe_shared_expert_intermediate_size: i32,
+    /// NemotronH routing groups.
+    #[serde(default = "d_one")]
+    pub n_group: i32,
+    /// NemotronH groups kept.
+    #[serde(default = "d_one")]
+    pub topk_group: i32,
+    /// NemotronH routed scaling factor.
+    #[serde(default = "d_one_f")]
+    pub routed_scaling_factor: f64,
+}
+
+/// A size option: an integer from 1, else an error naming the option.
+pub fn size(ctx: &BuildCtx<'_>, kind: &str, name: &str, v: i32) -> Result<i32> {
+    mlex_core::config::count(i64::from(v)).map_err(|m| {
+        ctx.config.error(
+            &format!("options of layer {} ({kind}): {name}", ctx.index),
+            m,
+        )
+    })
+}
+
+/// The feed-forward spec of a layer: `kind` from options, sizes from the
+/// layer's [`FfnSizes`].
+pub fn ffn_spec(
+    ctx: &BuildCtx<'_>,
+    layer_kind: &str,
+    hidden: i32,
+    kind: &str,
+    bias: bool,
+    s: &FfnSizes,
+) -> Result<FfnSpec> {
+    let need = |name: &str, v: i32| size(ctx, layer_kind, &format!("ffn.{name}"), v);
     let intermediate = match kind {
-        "swiglu" | "relu2" => ctx.cfg_count("intermediate_size")?,
-        _ => int("intermediate_size").unwrap_or(0),
+        "swiglu" | "relu2" => need("intermediate_size", s.intermediate_size)?,
+        _ => s.intermediate_size,
     };
     let (experts, moe_intermediate, shared) = match kind {
         "qwen_moe" => (
-            ctx.cfg_count("num_experts")?,
-            ctx.cfg_count("moe_intermediate_size")?,
-            int("shared_expert_intermediate_size").unwrap_or(0),
+            need("num_experts", s.num_experts)?,
+            need("moe_intermediate_size", s.moe_intermediate_size)?,
+            s.shared_expert_intermediate_size,
         ),
         "nemotron_moe" => (
-            ctx.cfg_count("n_routed_experts")?,
-            ctx.cfg_count("moe_intermediate_size")?,
-            if cfg.get("n_shared_experts").is_some_and(|v| !v.is_null()) {
-                ctx.cfg_i32("moe_shared_expert_intermediate_size")?
-            } else {
-                0
-            },
+            need("n_routed_experts", s.n_routed_experts)?,
+            need("moe_intermediate_size", s.moe_intermediate_size)?,
+            s.moe_shared_expert_intermediate_size,
         ),
         _ => (0, 0, 0),
     };
@@ -59,17 +125,17 @@ pub fn ffn_spec(ctx: &BuildCtx<'_>, kind: &str, bias: bool) -> Result<FfnSpec> {
         intermediate,
         bias,
         experts,
-        top_k: int("num_experts_per_tok").unwrap_or(0),
+        top_k: s.num_experts_per_tok,
         moe_intermediate,
-        norm_topk_prob: ctx.cfg_bool_or("norm_topk_prob", false),
+        norm_topk_prob: s.norm_topk_prob,
         shared_intermediate: shared,
-        n_group: int("n_group").unwrap_or(1),
-        topk_group: int("topk_group").unwrap_or(1),
-        routed_scaling: ctx.cfg_f64_or("routed_scaling_factor", 1.0) as f32,
+        n_group: s.n_group,
+        topk_group: s.topk_group,
+        routed_scaling: s.routed_scaling_factor as f32,
     })
 }
 
-/// The norm epsilon under config key `key` (default 1e-6).
-pub fn norm_eps(ctx: &BuildCtx<'_>, key: &str) -> f32 {
-    ctx.cfg_f64_or(key, 1e-6) as f32
+/// The default norm epsilon of the kinds' `norm_eps` option.
+pub fn default_eps() -> f64 {
+    d_eps()
 }

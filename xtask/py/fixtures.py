@@ -116,6 +116,19 @@ LINEAR_ATTENTION = dict(
     full_attention_interval=4,
 )
 
+MAMBA2 = dict(
+    mamba_num_heads=4,
+    mamba_head_dim=16,
+    mamba_proj_bias=False,
+    ssm_state_size=16,
+    conv_kernel=4,
+    n_groups=2,
+    mlp_bias=False,
+    layer_norm_epsilon=1e-5,
+    use_bias=False,
+    use_conv_bias=True,
+)
+
 
 def llama_config(dims: dict = TINY, *, tie: bool = True) -> dict:
     return dict(
@@ -211,16 +224,7 @@ def nemotron_h_config(pattern: str = "M-*EM*") -> dict:
         num_key_value_heads=2,
         head_dim=16,
         attention_bias=False,
-        mamba_num_heads=4,
-        mamba_head_dim=16,
-        mamba_proj_bias=False,
-        ssm_state_size=16,
-        conv_kernel=4,
-        n_groups=2,
-        mlp_bias=False,
-        layer_norm_epsilon=1e-5,
-        use_bias=False,
-        use_conv_bias=True,
+        **MAMBA2,
         hybrid_override_pattern=pattern,
         num_hidden_layers=len(pattern),
         n_routed_experts=4,
@@ -233,6 +237,28 @@ def nemotron_h_config(pattern: str = "M-*EM*") -> dict:
         n_shared_experts=1,
         moe_shared_expert_intermediate_size=128,
         tie_word_embeddings=False,
+    )
+
+
+def hybrid_mix_config() -> dict:
+    """``hybrid_mix`` (a spec-only hybrid, see ``mix_ref.py``): six layers
+    G M A G M A; MoE on layers 3 and 5 (decoder_sparse_step 2; layer 1 is
+    Mamba2, which has no feed-forward)."""
+    return dict(
+        model_type="hybrid_mix",
+        layer_pattern="GMAGMA",
+        **dict(TINY, num_hidden_layers=6),
+        **COMMON,
+        **dict(LINEAR_ATTENTION, full_attention_interval=3),
+        **MAMBA2,
+        **TINY_MOE,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=2,
+        mlp_only_layers=[],
     )
 
 
@@ -515,7 +541,7 @@ def make_mix_fixture(out: Path) -> dict:
     (``examples/specs/hybrid_mix.toml``), against a reference composed of
     mlx-lm's Qwen3-Next and NemotronH layer modules (``mix_ref.py``)."""
     name = "hybrid_mix-f32"
-    cfg = mix_ref.config()
+    cfg = hybrid_mix_config()
     model = mix_ref.MixModel(cfg)
     model.load_weights(random_parameters(model, seed_for(name)), strict=True)
     mx.eval(model.parameters())

@@ -12,8 +12,8 @@ this reference is built from mlx-lm's own layer modules, none of mlex's code:
 
 The stack is ``layer_pattern`` (one letter per layer). A Qwen3-Next layer
 picks linear or full attention from its index and ``full_attention_interval``,
-so the pattern must put ``A`` exactly where ``(i + 1) % interval == 0``; the
-config below does.
+so the pattern must put ``A`` exactly where ``(i + 1) % interval == 0``;
+``fixtures.hybrid_mix_config`` does.
 """
 
 from __future__ import annotations
@@ -25,55 +25,6 @@ import mlx.nn as nn
 from mlx_lm.models import nemotron_h, qwen3_next
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
-
-
-def config() -> dict:
-    """Six layers G M A G M A; MoE on layers 3 and 5 (decoder_sparse_step 2;
-    layer 1 is Mamba2, which has no feed-forward)."""
-    return dict(
-        model_type="hybrid_mix",
-        layer_pattern="GMAGMA",
-        num_hidden_layers=6,
-        full_attention_interval=3,
-        hidden_size=64,
-        intermediate_size=128,
-        vocab_size=256,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        # gated attention
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rope_theta=10000.0,
-        partial_rotary_factor=0.25,
-        attention_bias=False,
-        # Gated DeltaNet
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        # MoE (Qwen routing, shared expert)
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        decoder_sparse_step=2,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        # Mamba2
-        mamba_num_heads=4,
-        mamba_head_dim=16,
-        mamba_proj_bias=False,
-        ssm_state_size=16,
-        conv_kernel=4,
-        n_groups=2,
-        use_conv_bias=True,
-        layer_norm_epsilon=1e-5,
-        mlp_bias=False,
-        use_bias=False,
-    )
 
 
 class MixModel(nn.Module):

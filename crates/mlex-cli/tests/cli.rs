@@ -1537,4 +1537,20 @@ fn a_spec_file_serves_a_new_hybrid() {
         it["origin"].as_str().unwrap().ends_with("hybrid_mix.toml"),
         "{it}"
     );
+    // A spec path that does not exist is named.
+    let missing = specs.join("no-such-dir");
+    let e = mlex()
+        .arg("--arch-dir")
+        .arg(&missing)
+        .arg("list")
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&e);
+    assert!(
+        e.contains("no-such-dir") && e.contains("No such file"),
+        "{e}"
+    );
 }

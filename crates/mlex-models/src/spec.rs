@@ -452,30 +452,16 @@ impl SpecArchitecture {
     /// the layer kinds and the specs already in `registry` (for `extends`).
     /// Returns one architecture per `model_type` it serves.
     pub fn parse(text: &str, file: &Path, registry: &Registry) -> Result<Vec<Self>> {
-        let table: toml::Table = toml::from_str(text).map_err(|e| {
+        let syntax = |e: toml::de::Error| {
             let at = e
                 .span()
                 .map(|s| location(file, text, s.start))
                 .unwrap_or_else(|| file.display().to_string());
             spec_error(&at, "architecture spec", e.message())
-        })?;
-        let typed = |table: toml::Table| -> Result<ArchSpec> {
-            ArchSpec::deserialize(toml::Value::Table(table)).map_err(|e| {
-                spec_error(
-                    &file.display().to_string(),
-                    "architecture spec",
-                    e.to_string(),
-                )
-            })
         };
-        // Parse once from the text for spans and messages located in it.
-        let own: ArchSpec = toml::from_str(text).map_err(|e| {
-            let at = e
-                .span()
-                .map(|s| location(file, text, s.start))
-                .unwrap_or_else(|| file.display().to_string());
-            spec_error(&at, "architecture spec", e.message())
-        })?;
+        let table: toml::Table = toml::from_str(text).map_err(syntax)?;
+        // Typed from the text too, so that its errors are located in it.
+        let own: ArchSpec = toml::from_str(text).map_err(syntax)?;
         let (spec, table) = match &own.extends {
             None => (own, table),
             Some(base_name) => {
@@ -520,7 +506,14 @@ impl SpecArchitecture {
                 }
                 merged.remove("summary");
                 merge_tables(&mut merged, over);
-                let mut s = typed(merged.clone())?;
+                let mut s =
+                    ArchSpec::deserialize(toml::Value::Table(merged.clone())).map_err(|e| {
+                        spec_error(
+                            &file.display().to_string(),
+                            "architecture spec",
+                            e.to_string(),
+                        )
+                    })?;
                 s.extends = Some(base_name.clone());
                 (s, merged)
             }
@@ -642,40 +635,7 @@ fn check(spec: &ArchSpec, text: &str, file: &Path, registry: &Registry) -> Resul
         ));
     }
     // Every "$param" must be declared.
-    let mut refs = Vec::new();
-    if let Some(m) = &spec.model {
-        for v in [&m.vocab_size, &m.hidden_size, &m.norm_eps]
-            .into_iter()
-            .chain(m.tie.iter())
-            .chain(m.max_context.iter())
-            .chain(m.logit_softcap.iter())
-        {
-            collect_refs(v, &mut refs);
-        }
-    }
-    let layers =
-        toml::Value::try_from(spec.layers_for_refs()).unwrap_or(toml::Value::Boolean(false));
-    collect_refs(&layers, &mut refs);
-    for t in spec.kinds.values() {
-        collect_refs(&toml::Value::Table(t.clone()), &mut refs);
-    }
-    for s in &spec.sanitize {
-        if let Some(w) = &s.when {
-            refs.push(w.clone());
-        }
-        if let Some(se) = &s.stack_experts {
-            collect_refs(&se.experts, &mut refs);
-        }
-    }
-    for (name, p) in &spec.params {
-        if let ParamSpec::Full(t) = p {
-            if let Some(g) = &t.only_if {
-                refs.push(format!("${g}"));
-            }
-        }
-        let _ = name;
-    }
-    for r in refs {
+    for r in spec.refs() {
         let name = r.trim_start_matches('$');
         if !spec.params.contains_key(name) {
             let known: Vec<&str> = spec.params.keys().map(String::as_str).collect();
@@ -693,36 +653,51 @@ fn check(spec: &ArchSpec, text: &str, file: &Path, registry: &Registry) -> Resul
 }
 
 impl ArchSpec {
-    /// The parts of `[layers]` that may hold `"$param"`s, as a TOML value.
-    fn layers_for_refs(&self) -> toml::Table {
-        let mut t = toml::Table::new();
-        let l = &self.layers;
-        if let Some(c) = &l.count {
-            t.insert("count".into(), c.clone());
-        }
-        if let Some(r) = &l.interval {
-            t.insert("every".into(), r.every.clone());
-        }
-        if let Some(c) = &l.codes {
-            t.insert("from".into(), toml::Value::String(c.from.clone()));
-        }
-        if let Some(MlpRule::Moe(m)) = &l.mlp {
-            t.insert("experts".into(), m.experts.clone());
-            if let Some(v) = &m.sparse_step {
-                t.insert("sparse_step".into(), v.clone());
-            }
-            if let Some(v) = &m.dense_layers {
-                t.insert("dense_layers".into(), v.clone());
-            }
-        }
-        for (i, w) in l.where_.iter().enumerate() {
-            t.insert(format!("where{i}"), toml::Value::String(w.list.clone()));
-            t.insert(
-                format!("where{i}_options"),
-                toml::Value::Table(w.options.clone()),
+    /// Every `"$param"` the spec uses (in `[model]`, `[layers]`, `[kinds]`,
+    /// the sanitize gates and the parameters' `only_if`).
+    fn refs(&self) -> Vec<String> {
+        let text = |s: &str| toml::Value::String(s.to_owned());
+        let mut values: Vec<toml::Value> = Vec::new();
+        if let Some(m) = &self.model {
+            values.extend(
+                [&m.vocab_size, &m.hidden_size, &m.norm_eps]
+                    .into_iter()
+                    .chain(&m.tie)
+                    .chain(&m.max_context)
+                    .chain(&m.logit_softcap)
+                    .cloned(),
             );
         }
-        t
+        let l = &self.layers;
+        values.extend(l.count.iter().cloned());
+        values.extend(l.interval.iter().map(|r| r.every.clone()));
+        values.extend(l.codes.iter().map(|c| text(&c.from)));
+        if let Some(MlpRule::Moe(m)) = &l.mlp {
+            values.push(m.experts.clone());
+            values.extend(m.sparse_step.iter().chain(&m.dense_layers).cloned());
+        }
+        for w in &l.where_ {
+            values.push(text(&w.list));
+            values.push(toml::Value::Table(w.options.clone()));
+        }
+        values.extend(self.kinds.values().cloned().map(toml::Value::Table));
+        for st in &self.sanitize {
+            values.extend(st.when.iter().map(|w| text(w)));
+            values.extend(st.stack_experts.iter().map(|se| se.experts.clone()));
+        }
+        for p in self.params.values() {
+            if let ParamSpec::Full(ParamTable {
+                only_if: Some(g), ..
+            }) = p
+            {
+                values.push(text(&format!("${g}")));
+            }
+        }
+        let mut refs = Vec::new();
+        for v in &values {
+            collect_refs(v, &mut refs);
+        }
+        refs
     }
 
     /// Every config key the parameters read (for the generated docs).

@@ -262,6 +262,24 @@ def hybrid_mix_config() -> dict:
     )
 
 
+def stablelm_config() -> dict:
+    """StableLM: LayerNorm with biases, q/k/v biases, partial rotary (1/4 of
+    a head, as StableLM-2), an untied head."""
+    dims = {k: v for k, v in TINY.items() if k != "head_dim"}
+    return dict(
+        model_type="stablelm",
+        **dims,
+        max_position_embeddings=4096,
+        layer_norm_eps=1e-5,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        use_qkv_bias=True,
+        use_parallel_residual=False,
+        qk_layernorm=False,
+        tie_word_embeddings=False,
+    )
+
+
 ARCH_CONFIGS: dict[str, Callable[[], dict]] = {
     "llama": llama_config,
     "qwen2": qwen2_config,
@@ -308,6 +326,9 @@ def random_parameters(model: nn.Module, seed: int) -> list[tuple[str, mx.array]]
         shape = value.shape
         if name.endswith("A_log"):
             a = rng.uniform(-1.0, 1.0, shape)
+        elif name.endswith("norm.bias"):
+            # LayerNorm shifts (StableLM); no other model has them.
+            a = 0.1 * rng.standard_normal(shape)
         elif value.ndim == 1 and "norm" in name:
             a = 1.0 + 0.1 * rng.standard_normal(shape)
             if name.endswith(FINAL_NORMS):
@@ -630,6 +651,12 @@ def mlx_specs() -> list[MlxSpec]:
             lambda: qwen3_5_config(moe=True),
             "qwen3_5_moe",
             notes="4 experts top-2 + shared expert in every layer",
+        ),
+        MlxSpec(
+            "stablelm-f32",
+            stablelm_config,
+            "stablelm",
+            notes="LayerNorm with biases (the one built-in without RMS norm), partial rotary 0.25, q/k/v biases",
         ),
         MlxSpec(
             "qwen3_next-moe-f32",

@@ -12,7 +12,7 @@
 use mlex_core::cache::{AttentionMask, Cache, CacheTensors, KvAccess};
 use mlex_core::error::{Error, Result};
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
-use mlx_rs::{ops, Array, Dtype};
+use mlx_rs::{ops, Array};
 use std::collections::BTreeMap;
 
 /// Growth step of [`KvCache`], in tokens (mlx-lm's value).
@@ -300,11 +300,6 @@ impl RotatingKvCache {
         }
     }
 
-    /// The window size.
-    pub fn max_size(&self) -> usize {
-        self.max_size
-    }
-
     /// Rebuilds a cache saved with [`Cache::to_tensors`] (saved in temporal
     /// order).
     pub fn from_tensors(t: &CacheTensors) -> Result<Self> {
@@ -514,6 +509,3 @@ impl Cache for RotatingKvCache {
         }
     }
 }
-
-/// The dtype used for fresh fixed-size recurrent state (always float32).
-pub const STATE_DTYPE: Dtype = Dtype::Float32;

@@ -82,6 +82,7 @@ fn list_shows_architectures_and_kinds_with_origins() {
         "qwen3_5_text",
         "nemotron_h",
         "dhara_ar",
+        "stablelm",
     ] {
         let it = items
             .iter()

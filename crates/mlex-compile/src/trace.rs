@@ -78,9 +78,4 @@ impl CompiledTrace {
     pub fn times_traced(&self) -> usize {
         self.traced.get()
     }
-
-    /// Drops the compiled function.
-    pub fn invalidate(&mut self) {
-        self.callable = None;
-    }
 }

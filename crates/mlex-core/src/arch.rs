@@ -48,6 +48,8 @@ pub struct ModelPlan {
     pub final_norm: String,
     /// Final norm epsilon.
     pub norm_eps: f32,
+    /// Final norm kind (RMS or LayerNorm).
+    pub norm_type: crate::nn::NormKind,
     /// Output head.
     pub head: HeadPlan,
     /// `c * tanh(logits / c)` when set.

@@ -67,20 +67,6 @@ impl ModelConfig {
             .ok_or_else(|| self.error("model_type", "missing (every config.json needs one)"))
     }
 
-    /// Deserializes into `T`; errors name the key path.
-    pub fn parse<T: DeserializeOwned>(&self) -> Result<T> {
-        parse_value(&self.value, &self.file, "")
-    }
-
-    /// Deserializes the object under `key` (e.g. `text_config`).
-    pub fn parse_at<T: DeserializeOwned>(&self, key: &str) -> Result<T> {
-        let v = self
-            .value
-            .get(key)
-            .ok_or_else(|| self.error(key, "missing"))?;
-        parse_value(v, &self.file, key)
-    }
-
     /// A config error for `key` of this file.
     pub fn error(&self, key: &str, message: impl Into<String>) -> Error {
         Error::Config {
@@ -88,14 +74,6 @@ impl ModelConfig {
             key: key.to_owned(),
             message: message.into(),
         }
-    }
-
-    /// The sub-config under `key` as its own [`ModelConfig`] (same file).
-    pub fn sub(&self, key: &str) -> Option<ModelConfig> {
-        self.value.get(key).filter(|v| v.is_object()).map(|v| Self {
-            value: v.clone(),
-            file: self.file.clone(),
-        })
     }
 }
 

@@ -9,7 +9,7 @@ use crate::cache::Cache;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result, ResultExt};
 use crate::layer::{BuildCtx, Layer};
-use crate::nn::{Embedding, Linear, RmsNorm};
+use crate::nn::{Embedding, Linear, Norm};
 use crate::params::{ParamId, ParamStore, Params};
 use crate::quant::Quantization;
 use crate::registry::Registry;
@@ -31,7 +31,7 @@ pub enum Head {
 #[derive(Clone, Debug)]
 pub struct OutputHead {
     /// Final norm.
-    pub norm: RmsNorm,
+    pub norm: Norm,
     /// Projection.
     pub head: Head,
     /// `c * tanh(logits / c)` when set.
@@ -41,7 +41,7 @@ pub struct OutputHead {
 impl OutputHead {
     /// Weights read by [`OutputHead::forward`].
     pub fn params(&self) -> Vec<ParamId> {
-        let mut v = vec![self.norm.weight];
+        let mut v = self.norm.params();
         match &self.head {
             Head::Tied(e) => v.extend(e.params()),
             Head::Linear(l) => v.extend(l.params()),
@@ -237,7 +237,13 @@ impl Model {
                 layer: Arc::from(layer),
             });
         }
-        let norm = RmsNorm::load(&mut ld, &plan.final_norm, plan.hidden_size, plan.norm_eps)?;
+        let norm = Norm::load(
+            plan.norm_type,
+            &mut ld,
+            &plan.final_norm,
+            plan.hidden_size,
+            plan.norm_eps,
+        )?;
         let head = match &plan.head {
             HeadPlan::Tied => Head::Tied(embed.clone()),
             HeadPlan::Linear(prefix) => Head::Linear(Linear::load(
@@ -279,11 +285,6 @@ impl Model {
             layers.push(slot.layer.make_caches(batch, self.dtype)?);
         }
         Ok(ModelCache { layers })
-    }
-
-    /// Weights read by [`Model::embed_tokens`].
-    pub fn embed_params(&self) -> Vec<ParamId> {
-        self.embed.params()
     }
 
     /// `tokens` (`[B, T]` int) → hidden states `[B, T, D]`.

@@ -1,5 +1,5 @@
 //! The building blocks every layer kind uses: (quantized) linear and
-//! embedding layers, RMS norm, depthwise causal convolution. Each holds
+//! embedding layers, RMS norm and LayerNorm, depthwise causal convolution. Each holds
 //! [`ParamId`]s and computes with a [`Params`] view, so the same code runs
 //! eagerly and inside compiled segments.
 //!
@@ -216,6 +216,198 @@ impl Linear {
     }
 }
 
+/// Whether [`FusedLinear`] concatenates its parts: on unless
+/// `MLEX_FUSE_PROJECTIONS=0` (for measuring the separate products).
+pub fn fuse_projections() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MLEX_FUSE_PROJECTIONS").map_or(true, |v| v != "0"))
+}
+
+/// Projections of one input (q/k/v, gate/up, a Gated DeltaNet's inputs)
+/// kept as one matrix: their rows are concatenated at load, so one product
+/// (one kernel, one read of the input) serves them all, and
+/// [`FusedLinear::forward`] splits the result into views. Decode on a GPU
+/// pays per kernel, and a batched product of a few rows costs about the
+/// same at any width, so this removes two of every three such launches.
+/// Parts stored differently (dense beside quantized, other quantization or
+/// dtype) stay separate products, as does everything under
+/// `MLEX_FUSE_PROJECTIONS=0`. The result is exact: every output element
+/// is the same dot product.
+#[derive(Clone, Debug)]
+pub enum FusedLinear {
+    /// One matrix; `sizes` are the parts' output widths, in order.
+    One {
+        /// The concatenated layer, stored as `{fused_name}.weight`.
+        linear: Linear,
+        /// Output width of each part.
+        sizes: Vec<i32>,
+    },
+    /// One layer per part.
+    Parts(Vec<Linear>),
+}
+
+/// The store name of fused parts: `a.b.q_proj`, `a.b.k_proj` →
+/// `a.b.q_proj+k_proj` (what [`FusedLinear::load`] also accepts from a
+/// checkpoint, e.g. one quantized in memory).
+pub fn fused_name(prefixes: &[&str]) -> String {
+    let mut out = prefixes[0].to_owned();
+    for p in &prefixes[1..] {
+        out.push('+');
+        out.push_str(p.rsplit('.').next().unwrap_or(p));
+    }
+    out
+}
+
+impl FusedLinear {
+    /// Loads the parts `{prefix}.weight` (+ `.bias`), each of `[out, in]`
+    /// (or packed), as one matrix where they are stored alike (unless
+    /// `MLEX_FUSE_PROJECTIONS=0`); a checkpoint that already holds
+    /// [`fused_name`] is read as it is.
+    pub fn load(
+        ld: &mut WeightLoader,
+        parts: &[(&str, i32)],
+        in_features: i32,
+        bias: bool,
+    ) -> Result<Self> {
+        Self::load_with(ld, parts, in_features, bias, fuse_projections())
+    }
+
+    /// [`FusedLinear::load`] with fusion chosen by `fuse` rather than the
+    /// environment.
+    pub fn load_with(
+        ld: &mut WeightLoader,
+        parts: &[(&str, i32)],
+        in_features: i32,
+        bias: bool,
+        fuse: bool,
+    ) -> Result<Self> {
+        let prefixes: Vec<&str> = parts.iter().map(|(p, _)| *p).collect();
+        let sizes: Vec<i32> = parts.iter().map(|(_, n)| *n).collect();
+        let total: i32 = sizes.iter().sum();
+        let name = fused_name(&prefixes);
+        if ld.has(&format!("{name}.weight")) {
+            let linear = Linear::load(ld, &name, in_features, total, bias)?;
+            return Ok(Self::One { linear, sizes });
+        }
+        let separate = |ld: &mut WeightLoader| -> Result<Self> {
+            let layers = parts
+                .iter()
+                .map(|(p, n)| Linear::load(ld, p, in_features, *n, bias))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Self::Parts(layers))
+        };
+        if parts.len() < 2 || !fuse {
+            return separate(ld);
+        }
+        // Fuse only parts stored alike; anything else (including a broken
+        // checkpoint) loads part by part, which names what is wrong.
+        let quant: Vec<Option<QuantSpec>> = prefixes
+            .iter()
+            .map(|p| {
+                ld.has(&format!("{p}.scales"))
+                    .then(|| ld.quant_for(p))
+                    .flatten()
+            })
+            .collect();
+        let scaled = prefixes
+            .iter()
+            .filter(|p| ld.has(&format!("{p}.scales")))
+            .count();
+        let dtypes: Vec<Option<Dtype>> = prefixes
+            .iter()
+            .map(|p| ld.dtype_of(&format!("{p}.weight")))
+            .collect();
+        let same_quant = quant.windows(2).all(|w| w[0] == w[1]);
+        let quantized = quant[0].is_some();
+        let consistent = if quantized {
+            scaled == parts.len() && same_quant
+        } else {
+            scaled == 0 && dtypes[0].is_some() && dtypes.windows(2).all(|w| w[0] == w[1])
+        };
+        let fits = |spec: &QuantSpec| {
+            in_features % spec.group_size == 0 && (in_features * spec.bits) % 32 == 0
+        };
+        if !consistent || quant[0].as_ref().is_some_and(|q| !fits(q)) {
+            return separate(ld);
+        }
+        let cat = |ld: &mut WeightLoader, suffix: &str, cols: Option<i32>, float: bool| {
+            let arrays = parts
+                .iter()
+                .map(|(p, n)| {
+                    let shape = match cols {
+                        Some(c) => vec![*n, c],
+                        None => vec![*n],
+                    };
+                    ld.take_raw(&format!("{p}.{suffix}"), &shape, float)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let joined = ops::concatenate(&arrays, 0)?;
+            Ok::<_, Error>(ld.push_derived(&format!("{name}.{suffix}"), joined))
+        };
+        let (weight, q) = match &quant[0] {
+            None => (cat(ld, "weight", Some(in_features), true)?, None),
+            Some(spec) => {
+                let weight = cat(ld, "weight", Some(in_features * spec.bits / 32), false)?;
+                let groups = Some(in_features / spec.group_size);
+                let q = Quantized {
+                    scales: cat(ld, "scales", groups, true)?,
+                    biases: cat(ld, "biases", groups, true)?,
+                    spec: spec.clone(),
+                };
+                (weight, Some(q))
+            }
+        };
+        let bias = if bias {
+            Some(cat(ld, "bias", None, true)?)
+        } else {
+            None
+        };
+        Ok(Self::One {
+            linear: Linear {
+                weight,
+                bias,
+                quant: q,
+                in_features,
+                out_features: total,
+            },
+            sizes,
+        })
+    }
+
+    /// Every weight read.
+    pub fn params(&self) -> Vec<ParamId> {
+        match self {
+            Self::One { linear, .. } => linear.params(),
+            Self::Parts(v) => v.iter().flat_map(Linear::params).collect(),
+        }
+    }
+
+    /// The dense weights (which could be quantized).
+    pub fn quantizable(&self) -> Vec<ParamId> {
+        match self {
+            Self::One { linear, .. } => linear.quantizable().into_iter().collect(),
+            Self::Parts(v) => v.iter().filter_map(Linear::quantizable).collect(),
+        }
+    }
+
+    /// The parts' outputs for `x` (`[..., in]`), in load order.
+    pub fn forward(&self, p: &Params, x: &Array) -> Result<Vec<Array>> {
+        match self {
+            Self::One { linear, sizes } => {
+                let y = linear.forward(p, x)?;
+                let mut at = Vec::with_capacity(sizes.len() - 1);
+                let mut end = 0;
+                for n in &sizes[..sizes.len() - 1] {
+                    end += n;
+                    at.push(end);
+                }
+                Ok(ops::split_at_indices(&y, &at, -1)?)
+            }
+            Self::Parts(v) => v.iter().map(|l| l.forward(p, x)).collect(),
+        }
+    }
+}
+
 /// Token embedding, dense or quantized, usable as a tied output head.
 #[derive(Clone, Debug)]
 pub struct Embedding {
@@ -322,6 +514,105 @@ impl RmsNorm {
             Some(p.get(self.weight)?),
             self.eps,
         )?)
+    }
+}
+
+/// Which normalisation a norm is: RMS (most decoder LLMs) or LayerNorm
+/// (mean-centred, with a bias when the checkpoint has one: StableLM,
+/// GPT-NeoX). An option of every layer kind with a pre-norm and of a spec's
+/// `[model]` (its final norm), as `norm_type = "rms" | "layer_norm"`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NormKind {
+    /// `x / sqrt(mean(x^2) + eps) * w` (MLX `fast.rms_norm`).
+    #[default]
+    Rms,
+    /// `(x - mean) / sqrt(var + eps) * w + b` (MLX `fast.layer_norm`, as
+    /// `mlx.nn.LayerNorm`).
+    LayerNorm,
+}
+
+/// LayerNorm over the last axis with a learned scale and an optional bias.
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    /// `[dim]` scale.
+    pub weight: ParamId,
+    /// `[dim]` shift, when the checkpoint has `{prefix}.bias`.
+    pub bias: Option<ParamId>,
+    /// Epsilon added to the variance.
+    pub eps: f32,
+}
+
+impl LayerNorm {
+    /// Loads `{prefix}.weight` and, when present, `{prefix}.bias`, each of
+    /// `[dim]`.
+    pub fn load(ld: &mut WeightLoader, prefix: &str, dim: i32, eps: f32) -> Result<Self> {
+        let bias_name = format!("{prefix}.bias");
+        let bias = if ld.has(&bias_name) {
+            Some(ld.take(&bias_name, &[dim])?)
+        } else {
+            None
+        };
+        Ok(Self {
+            weight: ld.take(&format!("{prefix}.weight"), &[dim])?,
+            bias,
+            eps,
+        })
+    }
+
+    /// Applies the norm.
+    pub fn forward(&self, p: &Params, x: &Array) -> Result<Array> {
+        let bias = match self.bias {
+            Some(b) => Some(p.get(b)?),
+            None => None,
+        };
+        Ok(mlx_rs::fast::layer_norm(
+            x,
+            Some(p.get(self.weight)?),
+            bias,
+            self.eps,
+        )?)
+    }
+}
+
+/// A layer's norm: RMS or LayerNorm, chosen by [`NormKind`].
+#[derive(Clone, Debug)]
+pub enum Norm {
+    /// RMS norm.
+    Rms(RmsNorm),
+    /// LayerNorm.
+    Layer(LayerNorm),
+}
+
+impl Norm {
+    /// Loads the norm at `prefix` of `[dim]` as `kind`.
+    pub fn load(
+        kind: NormKind,
+        ld: &mut WeightLoader,
+        prefix: &str,
+        dim: i32,
+        eps: f32,
+    ) -> Result<Self> {
+        Ok(match kind {
+            NormKind::Rms => Norm::Rms(RmsNorm::load(ld, prefix, dim, eps)?),
+            NormKind::LayerNorm => Norm::Layer(LayerNorm::load(ld, prefix, dim, eps)?),
+        })
+    }
+
+    /// Its weights.
+    pub fn params(&self) -> Vec<ParamId> {
+        match self {
+            Norm::Rms(n) => vec![n.weight],
+            Norm::Layer(n) => std::iter::once(n.weight).chain(n.bias).collect(),
+        }
+    }
+
+    /// Applies the norm.
+    pub fn forward(&self, p: &Params, x: &Array) -> Result<Array> {
+        match self {
+            Norm::Rms(n) => n.forward(p, x),
+            Norm::Layer(n) => n.forward(p, x),
+        }
     }
 }
 

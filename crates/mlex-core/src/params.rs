@@ -129,11 +129,6 @@ impl ParamStore {
         self.arrays.iter().map(Array::nbytes).sum()
     }
 
-    /// A value that changes whenever the store changes.
-    pub fn generation(&self) -> u64 {
-        self.generation
-    }
-
     /// A value that changes whenever tensors are added (ids, shapes or
     /// dtypes change), but not when a value is replaced in place.
     pub fn structure_generation(&self) -> u64 {

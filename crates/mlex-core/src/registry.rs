@@ -284,11 +284,6 @@ impl Registry {
         self.archs.keys().cloned().collect()
     }
 
-    /// Registered layer-kind names.
-    pub fn layer_kind_names(&self) -> Vec<String> {
-        self.kinds.keys().cloned().collect()
-    }
-
     /// Everything held, architectures first, each with its origin.
     pub fn list(&self) -> Vec<Listing> {
         let mut out: Vec<Listing> = self

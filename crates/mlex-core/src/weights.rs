@@ -207,14 +207,6 @@ impl WeightMap {
         Ok(())
     }
 
-    /// Replaces the tensor `name` by `f(tensor)`.
-    pub fn update(&mut self, name: &str, f: impl FnOnce(&Array) -> Result<Array>) -> Result<()> {
-        if let Some(e) = self.tensors.get_mut(name) {
-            e.array = f(&e.array)?;
-        }
-        Ok(())
-    }
-
     /// Applies `f` to every tensor whose name satisfies `pred`.
     pub fn update_where(
         &mut self,
@@ -290,19 +282,9 @@ impl WeightLoader {
         self.map.contains(name)
     }
 
-    /// The shape of an unused tensor.
-    pub fn shape_of(&self, name: &str) -> Option<Vec<i32>> {
-        self.map.get(name).map(|a| a.shape().to_vec())
-    }
-
     /// The quantization spec for a module path.
     pub fn quant_for(&self, module: &str) -> Option<QuantSpec> {
         self.quant.for_module(module)
-    }
-
-    /// The checkpoint's quantization.
-    pub fn quantization(&self) -> &Quantization {
-        &self.quant
     }
 
     fn missing(&self, name: &str) -> Error {
@@ -325,27 +307,43 @@ impl WeightLoader {
         self.take_checked(name, Some(shape), true)
     }
 
-    /// Takes a tensor of any shape and dtype.
-    pub fn take_any(&mut self, name: &str) -> Result<ParamId> {
-        self.take_checked(name, None, false)
-    }
-
     /// Takes a packed quantized weight (`uint32`) of exactly `shape`.
     pub fn take_packed(&mut self, name: &str, shape: &[i32]) -> Result<ParamId> {
-        let file = self.file_for(name);
-        let array = self.map.get(name).ok_or_else(|| self.missing(name))?;
-        if array.dtype() != Dtype::Uint32 {
-            return Err(Error::TensorMismatch {
-                name: name.to_owned(),
-                file,
-                expected: "uint32 (packed quantized weight)".into(),
-                found: format!("{:?}", array.dtype()),
-            });
-        }
-        self.take_checked(name, Some(shape), false)
+        let array = self.take_raw(name, shape, false)?;
+        Ok(self.store.push(name, array))
     }
 
     fn take_checked(&mut self, name: &str, shape: Option<&[i32]>, float: bool) -> Result<ParamId> {
+        let array = self.remove_checked(name, shape, float)?;
+        Ok(self.store.push(name, array))
+    }
+
+    /// Removes a tensor of exactly `shape` from the checkpoint without
+    /// adding it to the store, for a caller that combines several tensors
+    /// into one (see [`crate::nn::FusedLinear`]): floating-point when
+    /// `float`, packed `uint32` otherwise.
+    pub fn take_raw(&mut self, name: &str, shape: &[i32], float: bool) -> Result<Array> {
+        if !float {
+            let file = self.file_for(name);
+            let array = self.map.get(name).ok_or_else(|| self.missing(name))?;
+            if array.dtype() != Dtype::Uint32 {
+                return Err(Error::TensorMismatch {
+                    name: name.to_owned(),
+                    file,
+                    expected: "uint32 (packed quantized weight)".into(),
+                    found: format!("{:?}", array.dtype()),
+                });
+            }
+        }
+        self.remove_checked(name, Some(shape), float)
+    }
+
+    /// The dtype of a tensor not taken yet.
+    pub fn dtype_of(&self, name: &str) -> Option<Dtype> {
+        self.map.get(name).map(Array::dtype)
+    }
+
+    fn remove_checked(&mut self, name: &str, shape: Option<&[i32]>, float: bool) -> Result<Array> {
         let file = self.file_for(name);
         let (array, _) = self.map.remove(name).ok_or_else(|| self.missing(name))?;
         if let Some(shape) = shape {
@@ -371,17 +369,12 @@ impl WeightLoader {
                 found: format!("{:?}", array.dtype()),
             });
         }
-        Ok(self.store.push(name, array))
+        Ok(array)
     }
 
     /// Adds a tensor that the checkpoint does not hold (e.g. a derived one).
     pub fn push_derived(&mut self, name: &str, array: Array) -> ParamId {
         self.store.push(name, array)
-    }
-
-    /// Read access to what has been taken so far.
-    pub fn store(&self) -> &ParamStore {
-        &self.store
     }
 
     /// Ends loading: an error if any tensor was not used.

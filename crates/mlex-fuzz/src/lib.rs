@@ -55,7 +55,8 @@ pub fn arch_toml(data: &[u8]) {
             "partial_rotary_factor": 0.5, "tie_word_embeddings": true, "num_experts": 4,
             "decoder_sparse_step": 2, "mlp_only_layers": [0], "full_attention_interval": 3,
             "hybrid_override_pattern": "M*E", "layer_types": ["full_attention", "sliding_attention"],
-            "sliding_window": 8, "text_config": {"hidden_size": 64}
+            "sliding_window": 8, "layer_norm_eps": 1e-5, "use_qkv_bias": true,
+            "text_config": {"hidden_size": 64}
         }),
         f.path.clone(),
     );

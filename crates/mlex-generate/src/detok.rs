@@ -66,9 +66,4 @@ impl<'t> StreamingDetokenizer<'t> {
         self.text.push_str(&rest);
         Ok(rest)
     }
-
-    /// All text emitted so far.
-    pub fn text(&self) -> &str {
-        &self.text
-    }
 }

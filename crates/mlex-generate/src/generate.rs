@@ -171,11 +171,6 @@ impl Generator {
         self.decoder.is_some()
     }
 
-    /// The compiled decoder, if any.
-    pub fn decoder(&self) -> Option<&SegmentedDecoder> {
-        self.decoder.as_ref()
-    }
-
     /// One single-token step: `[B, 1]` tokens → `[B, V]` logits.
     pub(crate) fn step(&mut self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
         match &mut self.decoder {

@@ -381,11 +381,6 @@ impl Tokenizer {
     pub fn chat_template_source(&self) -> Option<&str> {
         self.chat_template.as_ref().map(|t| t.source())
     }
-
-    /// Vocabulary size including added tokens.
-    pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
-    }
 }
 
 #[cfg(test)]

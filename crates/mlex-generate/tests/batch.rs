@@ -67,6 +67,7 @@ fn batched_greedy_equals_one_at_a_time_on_every_architecture() {
         "qwen3_5_moe-f32",
         "nemotron_h-f32",
         "dhara-f32",
+        "stablelm-f32",
     ];
     for name in names {
         let f = fixture(name);

@@ -58,6 +58,7 @@ fn a_prompt_diverging_anywhere_continues_as_a_cold_prefill() {
         "qwen2-f32",
         "qwen3-f32",
         "qwen3_moe-f32",
+        "stablelm-f32",
     ];
     let c = 64;
     for name in names {

@@ -100,16 +100,6 @@ pub enum Origin {
     Downloaded,
 }
 
-impl Origin {
-    /// `cache` or `downloaded`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Origin::Cache => "cache",
-            Origin::Downloaded => "downloaded",
-        }
-    }
-}
-
 /// A checkpoint in the cache: a snapshot directory or one GGUF file in it.
 #[derive(Clone, Debug)]
 pub struct Fetched {

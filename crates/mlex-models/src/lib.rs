@@ -13,11 +13,11 @@
 #![deny(missing_docs)]
 
 pub mod gguf;
-pub mod gguf_file;
+mod gguf_file;
 pub mod layers;
 pub mod load;
 pub mod quantize;
-pub mod sanitize;
+mod sanitize;
 pub mod spec;
 
 use mlex_core::error::{Error, Result};

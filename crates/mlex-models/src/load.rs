@@ -21,15 +21,6 @@ pub enum ModelSource {
     Gguf(PathBuf),
 }
 
-impl ModelSource {
-    /// The path.
-    pub fn path(&self) -> &Path {
-        match self {
-            ModelSource::Dir(p) | ModelSource::Gguf(p) => p,
-        }
-    }
-}
-
 /// How a model was found: the path given, or a Hugging Face repo id.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelOrigin {

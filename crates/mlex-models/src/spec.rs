@@ -222,6 +222,9 @@ pub struct ModelSpec {
     pub hidden_size: toml::Value,
     /// Final norm epsilon.
     pub norm_eps: toml::Value,
+    /// Final norm kind: `rms` (default) or `layer_norm`.
+    #[serde(default)]
+    pub norm_type: mlex_core::nn::NormKind,
     /// Longest context (optional).
     #[serde(default)]
     pub max_context: Option<toml::Value>,
@@ -444,6 +447,10 @@ pub const BUILTIN: &[(&str, &str)] = &[
     (
         "architectures/dhara_ar.toml",
         include_str!("../architectures/dhara_ar.toml"),
+    ),
+    (
+        "architectures/stablelm.toml",
+        include_str!("../architectures/stablelm.toml"),
     ),
 ];
 
@@ -1145,6 +1152,7 @@ impl Architecture for SpecArchitecture {
             layers,
             final_norm: m.final_norm.clone(),
             norm_eps: r.float(&m.norm_eps, "norm_eps")? as f32,
+            norm_type: m.norm_type,
             head: if tie {
                 HeadPlan::Tied
             } else {

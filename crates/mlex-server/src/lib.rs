@@ -24,9 +24,9 @@
 //! The request fields honoured and refused are listed in [`api`].
 #![deny(missing_docs)]
 
-pub mod api;
-pub mod engine;
-pub mod metrics;
+mod api;
+mod engine;
+mod metrics;
 
 use api::{ChatRequest, Common, CompletionRequest};
 use axum::body::Body;

@@ -120,6 +120,7 @@ impl Architecture for ToyExt {
             layers,
             final_norm: "norm".into(),
             norm_eps: 1e-6,
+            norm_type: mlex_core::nn::NormKind::Rms,
             head: HeadPlan::Tied,
             logit_softcap: None,
             max_context: None,

@@ -169,6 +169,17 @@ fn group_of(name: &str) -> String {
         .join(".")
 }
 
+/// The parts of a fused module name (`a.q_proj+k_proj` → `a.q_proj`,
+/// `a.k_proj`; see `mlex_core::nn::fused_name`); a plain name is its own.
+fn unfused(module: &str) -> Vec<String> {
+    let mut names = module.split('+');
+    let first = names.next().unwrap_or(module);
+    let parent = first.rsplit_once('.').map_or("", |(p, _)| p);
+    std::iter::once(first.to_owned())
+        .chain(names.map(|n| format!("{parent}.{n}")))
+        .collect()
+}
+
 /// The dtype and quantization of every tensor group, with the GGML types
 /// the file held for GGUF checkpoints.
 fn tensor_groups(loaded: &mlex_models::load::LoadedModel) -> Vec<TensorGroup> {
@@ -182,7 +193,10 @@ fn tensor_groups(loaded: &mlex_models::load::LoadedModel) -> Vec<TensorGroup> {
         }
         let module = name.strip_suffix(".weight").unwrap_or(name);
         let dtype = format!("{:?}", a.dtype()).to_lowercase();
-        let stored = match m.quantization.for_module(module) {
+        // Projections fused at load (`...q_proj+k_proj+v_proj`) are shown
+        // as the checkpoint's tensors; their parts are stored alike.
+        let parts = unfused(module);
+        let stored = match m.quantization.for_module(&parts[0]) {
             Some(q) if by_name.contains_key(format!("{module}.scales").as_str()) => {
                 let scales = by_name
                     .get(format!("{module}.scales").as_str())
@@ -195,9 +209,11 @@ fn tensor_groups(loaded: &mlex_models::load::LoadedModel) -> Vec<TensorGroup> {
             }
             _ => dtype,
         };
-        let g = groups.entry(group_of(name)).or_default();
-        g.0 += 1;
-        g.1.insert(stored);
+        for part in &parts {
+            let g = groups.entry(group_of(part)).or_default();
+            g.0 += 1;
+            g.1.insert(stored.clone());
+        }
     }
     let mut file_types: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
     for (name, ty) in &loaded.gguf_tensor_types {

@@ -20,7 +20,7 @@ use mlex_core::cache::{AttentionMask, Cache};
 use mlex_core::config::parse_value;
 use mlex_core::error::{Error, Result};
 use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
-use mlex_core::nn::{Linear, RmsNorm};
+use mlex_core::nn::{FusedLinear, Linear, Norm, NormKind, RmsNorm};
 use mlex_core::params::{ParamId, Params};
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{fast, ops, Array, Dtype};
@@ -76,9 +76,13 @@ pub struct AttentionOptions {
     /// Head size (default: `hidden_size / num_attention_heads`).
     #[serde(default)]
     pub head_dim: Option<i32>,
-    /// Epsilon of the layer's RMS norms.
+    /// Epsilon of the layer's norms.
     #[serde(default = "super::default_eps")]
     pub norm_eps: f64,
+    /// Input and post-attention norms: `rms` (default) or `layer_norm`
+    /// (q/k norms are always RMS).
+    #[serde(default)]
+    pub norm_type: NormKind,
     /// Feed-forward sizes (when `mlp` is not `none`).
     #[serde(default)]
     pub ffn_sizes: FfnSizes,
@@ -161,10 +165,9 @@ struct CanonSet {
 
 /// A built attention layer.
 pub struct Attention {
-    input_norm: Option<RmsNorm>,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    input_norm: Option<Norm>,
+    /// q (with the gate when `gated`), k and v: one product.
+    qkv: FusedLinear,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -172,7 +175,7 @@ pub struct Attention {
     gated: bool,
     rope: Option<Rope>,
     inv_freq: Option<ParamId>,
-    post_norm: Option<RmsNorm>,
+    post_norm: Option<Norm>,
     ffn: Option<Ffn>,
     canon: CanonSet,
     n_heads: i32,
@@ -248,23 +251,25 @@ impl Attention {
         let attn_prefix = ctx.path(&o.attn);
         let a = |n: &str| format!("{attn_prefix}.{n}");
         let input_norm = match &o.input_norm {
-            Some(n) => Some(RmsNorm::load(ctx.weights, &ctx.path(n), hidden, eps)?),
+            Some(n) => Some(Norm::load(
+                o.norm_type,
+                ctx.weights,
+                &ctx.path(n),
+                hidden,
+                eps,
+            )?),
             None => None,
         };
         let q_out = n_heads * head_dim * if o.gated { 2 } else { 1 };
-        let q_proj = Linear::load(ctx.weights, &a("q_proj"), hidden, q_out, o.qkv_bias)?;
-        let k_proj = Linear::load(
+        let kv_out = n_kv_heads * head_dim;
+        let qkv = FusedLinear::load(
             ctx.weights,
-            &a("k_proj"),
+            &[
+                (&a("q_proj"), q_out),
+                (&a("k_proj"), kv_out),
+                (&a("v_proj"), kv_out),
+            ],
             hidden,
-            n_kv_heads * head_dim,
-            o.qkv_bias,
-        )?;
-        let v_proj = Linear::load(
-            ctx.weights,
-            &a("v_proj"),
-            hidden,
-            n_kv_heads * head_dim,
             o.qkv_bias,
         )?;
         let o_proj = Linear::load(
@@ -306,7 +311,7 @@ impl Attention {
         let (post_norm, ffn, intermediate) = match (&o.post_norm, o.mlp.as_str()) {
             (Some(n), kind) if kind != "none" => {
                 let spec = ffn_spec(ctx, "attention", hidden, kind, o.mlp_bias, &o.ffn_sizes)?;
-                let post = RmsNorm::load(ctx.weights, &ctx.path(n), hidden, eps)?;
+                let post = Norm::load(o.norm_type, ctx.weights, &ctx.path(n), hidden, eps)?;
                 let ffn = Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?;
                 (Some(post), Some(ffn), spec.intermediate)
             }
@@ -364,9 +369,7 @@ impl Attention {
         }
         Ok(Self {
             input_norm,
-            q_proj,
-            k_proj,
-            v_proj,
+            qkv,
             o_proj,
             q_norm,
             k_norm,
@@ -472,16 +475,15 @@ impl Layer for Attention {
     fn params(&self) -> Vec<ParamId> {
         let mut v = Vec::new();
         if let Some(n) = &self.input_norm {
+            v.extend(n.params());
+        }
+        v.extend(self.qkv.params());
+        v.extend(self.o_proj.params());
+        for n in [&self.q_norm, &self.k_norm].into_iter().flatten() {
             v.push(n.weight);
         }
-        for l in [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj] {
-            v.extend(l.params());
-        }
-        for n in [&self.q_norm, &self.k_norm, &self.post_norm]
-            .into_iter()
-            .flatten()
-        {
-            v.push(n.weight);
+        if let Some(n) = &self.post_norm {
+            v.extend(n.params());
         }
         v.extend(self.inv_freq);
         if let Some(f) = &self.ffn {
@@ -504,10 +506,8 @@ impl Layer for Attention {
     }
 
     fn quantizable(&self) -> Vec<ParamId> {
-        let mut v: Vec<ParamId> = [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
-            .iter()
-            .filter_map(|l| l.quantizable())
-            .collect();
+        let mut v = self.qkv.quantizable();
+        v.extend(self.o_proj.quantizable());
         if let Some(f) = &self.ffn {
             v.extend(f.quantizable());
         }
@@ -539,9 +539,10 @@ impl Layer for Attention {
             None => x.clone(),
         };
         let h = cur.canon(p, self.canon.a.as_ref(), h, state)?;
-        let mut q = self.q_proj.forward(p, &h)?;
-        let mut k = self.k_proj.forward(p, &h)?;
-        let mut v = self.v_proj.forward(p, &h)?;
+        let (mut q, mut k, mut v) = match <[Array; 3]>::try_from(self.qkv.forward(p, &h)?) {
+            Ok([q, k, v]) => (q, k, v),
+            Err(_) => return Err(Error::Other("attention: q/k/v split".into())),
+        };
         let mut gate = None;
         if self.gated {
             let s = q.shape().to_vec();

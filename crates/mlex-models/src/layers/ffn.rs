@@ -4,7 +4,7 @@
 //! applied with `gather_mm`/`gather_qmm`, as mlx-lm's `SwitchGLU`/`SwitchMLP`.
 
 use mlex_core::error::{Error, Result};
-use mlex_core::nn::{load_quantized, relu2, swiglu, Linear, Quantized};
+use mlex_core::nn::{load_quantized, relu2, swiglu, FusedLinear, Linear, Quantized};
 use mlex_core::params::{ParamId, Params};
 use mlex_core::weights::WeightLoader;
 use mlx_rs::ops::indexing::TryIndexOp;
@@ -117,10 +117,8 @@ pub struct NemotronMoe {
 pub enum Ffn {
     /// `down(silu(gate(x)) * up(x))`.
     SwiGlu {
-        /// Gate projection.
-        gate: Linear,
-        /// Up projection.
-        up: Linear,
+        /// Gate and up projections: one product.
+        gate_up: FusedLinear,
         /// Down projection.
         down: Linear,
     },
@@ -172,8 +170,15 @@ impl Ffn {
         let path = |n: &str| format!("{prefix}.{n}");
         Ok(match s.kind.as_str() {
             "swiglu" => Ffn::SwiGlu {
-                gate: Linear::load(ld, &path("gate_proj"), s.hidden, s.intermediate, s.bias)?,
-                up: Linear::load(ld, &path("up_proj"), s.hidden, s.intermediate, s.bias)?,
+                gate_up: FusedLinear::load(
+                    ld,
+                    &[
+                        (&path("gate_proj"), s.intermediate),
+                        (&path("up_proj"), s.intermediate),
+                    ],
+                    s.hidden,
+                    s.bias,
+                )?,
                 down: Linear::load(ld, &path("down_proj"), s.intermediate, s.hidden, s.bias)?,
             },
             "relu2" => Ffn::Relu2 {
@@ -243,7 +248,7 @@ impl Ffn {
     /// Every weight read.
     pub fn params(&self) -> Vec<ParamId> {
         match self {
-            Ffn::SwiGlu { gate, up, down } => [gate.params(), up.params(), down.params()].concat(),
+            Ffn::SwiGlu { gate_up, down } => [gate_up.params(), down.params()].concat(),
             Ffn::Relu2 { up, down } => [up.params(), down.params()].concat(),
             Ffn::QwenMoe(m) => {
                 let mut v = [
@@ -278,10 +283,11 @@ impl Ffn {
     /// NemotronH's plain router).
     pub fn quantizable(&self) -> Vec<ParamId> {
         match self {
-            Ffn::SwiGlu { gate, up, down } => [gate, up, down]
-                .iter()
-                .filter_map(|l| l.quantizable())
-                .collect(),
+            Ffn::SwiGlu { gate_up, down } => {
+                let mut v = gate_up.quantizable();
+                v.extend(down.quantizable());
+                v
+            }
             Ffn::Relu2 { up, down } => [up, down].iter().filter_map(|l| l.quantizable()).collect(),
             Ffn::QwenMoe(m) => {
                 let mut v: Vec<ParamId> = m.gate.quantizable().into_iter().collect();
@@ -318,8 +324,9 @@ impl Ffn {
         inner: Option<&mut dyn FnMut(Array) -> Result<Array>>,
     ) -> Result<Array> {
         match self {
-            Ffn::SwiGlu { gate, up, down } => {
-                let mut h = swiglu(&gate.forward(p, x)?, &up.forward(p, x)?)?;
+            Ffn::SwiGlu { gate_up, down } => {
+                let gu = gate_up.forward(p, x)?;
+                let mut h = swiglu(&gu[0], &gu[1])?;
                 if let Some(f) = inner {
                     h = f(h)?;
                 }

@@ -19,7 +19,7 @@ use mlex_core::cache::Cache;
 use mlex_core::config::parse_value;
 use mlex_core::error::Result;
 use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
-use mlex_core::nn::{silu, DepthwiseConv, Linear, RmsNorm};
+use mlex_core::nn::{silu, DepthwiseConv, FusedLinear, Linear, Norm, NormKind, RmsNorm};
 use mlex_core::params::{ParamId, Params};
 use mlex_kernels::{gated_delta, Dispatch};
 use mlx_rs::{ops, Array, Dtype};
@@ -61,9 +61,13 @@ pub struct GatedDeltaOptions {
     pub linear_value_head_dim: i32,
     /// Short convolution width.
     pub linear_conv_kernel_dim: i32,
-    /// Epsilon of the layer's RMS norms.
+    /// Epsilon of the layer's norms.
     #[serde(default = "super::default_eps")]
     pub norm_eps: f64,
+    /// Input and post norms: `rms` (default) or `layer_norm` (the mixer's
+    /// gated norm is always RMS).
+    #[serde(default)]
+    pub norm_type: NormKind,
     /// Feed-forward sizes (when `mlp` is not `none`).
     #[serde(default)]
     pub ffn_sizes: FfnSizes,
@@ -88,29 +92,26 @@ pub struct GatedDeltaOptions {
     pub mlp_prefix: String,
 }
 
-enum Projections {
-    Qwen35 {
-        qkv: Linear,
-        z: Linear,
-        b: Linear,
-        a: Linear,
-    },
-    Qwen3Next {
-        qkvz: Linear,
-        ba: Linear,
-    },
+/// The input projections, one product in either layout: Qwen3.5's
+/// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, or Qwen3-Next's
+/// `in_proj_qkvz`, `in_proj_ba` (grouped per key head).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    Qwen35,
+    Qwen3Next,
 }
 
 /// A built Gated DeltaNet layer.
 pub struct GatedDelta {
-    input_norm: RmsNorm,
-    proj: Projections,
+    input_norm: Norm,
+    layout: Layout,
+    proj: FusedLinear,
     conv: DepthwiseConv,
     dt_bias: ParamId,
     a_log: ParamId,
     norm: RmsNorm,
     out_proj: Linear,
-    post_norm: Option<RmsNorm>,
+    post_norm: Option<Norm>,
     ffn: Option<Ffn>,
     nk: i32,
     nv: i32,
@@ -159,24 +160,30 @@ impl LayerKind for GatedDeltaKind {
         let m = |n: &str| format!("{mixer_prefix}.{n}");
         let (key_dim, value_dim) = (nk * dk, nv * dv);
         let conv_dim = 2 * key_dim + value_dim;
-        let input_norm = RmsNorm::load(ctx.weights, &ctx.path(&o.input_norm), hidden, eps)?;
-        let proj = match o.layout.as_str() {
-            "qwen3_5" => Projections::Qwen35 {
-                qkv: Linear::load(ctx.weights, &m("in_proj_qkv"), hidden, conv_dim, false)?,
-                z: Linear::load(ctx.weights, &m("in_proj_z"), hidden, value_dim, false)?,
-                b: Linear::load(ctx.weights, &m("in_proj_b"), hidden, nv, false)?,
-                a: Linear::load(ctx.weights, &m("in_proj_a"), hidden, nv, false)?,
-            },
-            "qwen3_next" => Projections::Qwen3Next {
-                qkvz: Linear::load(
-                    ctx.weights,
-                    &m("in_proj_qkvz"),
-                    hidden,
-                    2 * key_dim + 2 * value_dim,
-                    false,
-                )?,
-                ba: Linear::load(ctx.weights, &m("in_proj_ba"), hidden, 2 * nv, false)?,
-            },
+        let input_norm = Norm::load(
+            o.norm_type,
+            ctx.weights,
+            &ctx.path(&o.input_norm),
+            hidden,
+            eps,
+        )?;
+        let (layout, parts) = match o.layout.as_str() {
+            "qwen3_5" => (
+                Layout::Qwen35,
+                vec![
+                    (m("in_proj_qkv"), conv_dim),
+                    (m("in_proj_z"), value_dim),
+                    (m("in_proj_b"), nv),
+                    (m("in_proj_a"), nv),
+                ],
+            ),
+            "qwen3_next" => (
+                Layout::Qwen3Next,
+                vec![
+                    (m("in_proj_qkvz"), 2 * key_dim + 2 * value_dim),
+                    (m("in_proj_ba"), 2 * nv),
+                ],
+            ),
             other => {
                 return Err(ctx.config.error(
                     "layout",
@@ -184,6 +191,8 @@ impl LayerKind for GatedDeltaKind {
                 ))
             }
         };
+        let parts: Vec<(&str, i32)> = parts.iter().map(|(n, w)| (n.as_str(), *w)).collect();
+        let proj = FusedLinear::load(ctx.weights, &parts, hidden, false)?;
         let conv = DepthwiseConv::load(ctx.weights, &m("conv1d"), conv_dim, kernel, false)?;
         let dt_bias = ctx.weights.take(&m("dt_bias"), &[nv])?;
         let a_log = ctx.weights.take(&m("A_log"), &[nv])?;
@@ -193,7 +202,13 @@ impl LayerKind for GatedDeltaKind {
             (Some(n), kind) if kind != "none" => {
                 let spec = ffn_spec(ctx, "gated_delta", hidden, kind, false, &o.ffn_sizes)?;
                 (
-                    Some(RmsNorm::load(ctx.weights, &ctx.path(n), hidden, eps)?),
+                    Some(Norm::load(
+                        o.norm_type,
+                        ctx.weights,
+                        &ctx.path(n),
+                        hidden,
+                        eps,
+                    )?),
                     Some(Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?),
                 )
             }
@@ -201,6 +216,7 @@ impl LayerKind for GatedDeltaKind {
         };
         Ok(Box::new(GatedDelta {
             input_norm,
+            layout,
             proj,
             conv,
             dt_bias,
@@ -224,19 +240,20 @@ impl GatedDelta {
     fn project(&self, p: &Params, x: &Array) -> Result<(Array, Array, Array, Array)> {
         let s = x.shape();
         let (bsz, len) = (s[0], s[1]);
-        match &self.proj {
-            Projections::Qwen35 { qkv, z, b, a } => Ok((
-                qkv.forward(p, x)?,
-                ops::reshape(z.forward(p, x)?, &[bsz, len, self.nv, self.dv])?,
-                b.forward(p, x)?,
-                a.forward(p, x)?,
+        let out = self.proj.forward(p, x)?;
+        match self.layout {
+            Layout::Qwen35 => Ok((
+                out[0].clone(),
+                ops::reshape(&out[1], &[bsz, len, self.nv, self.dv])?,
+                out[2].clone(),
+                out[3].clone(),
             )),
-            Projections::Qwen3Next { qkvz, ba } => {
+            Layout::Qwen3Next => {
                 let (nk, dk, nv, dv) = (self.nk, self.dk, self.nv, self.dv);
                 let r = nv / nk;
-                let mixed = ops::reshape(qkvz.forward(p, x)?, &[bsz, len, nk, -1])?;
+                let mixed = ops::reshape(&out[0], &[bsz, len, nk, -1])?;
                 let parts = ops::split_at_indices(&mixed, &[dk, 2 * dk, 2 * dk + r * dv], -1)?;
-                let mixed_ba = ops::reshape(ba.forward(p, x)?, &[bsz, len, nk, -1])?;
+                let mixed_ba = ops::reshape(&out[1], &[bsz, len, nk, -1])?;
                 let ba_parts = ops::split_at_indices(&mixed_ba, &[r], -1)?;
                 let flat = |a: &Array| ops::reshape(a, &[bsz, len, -1]);
                 let v = ops::reshape(&parts[2], &[bsz, len, -1, dv])?;
@@ -302,27 +319,13 @@ impl Layer for GatedDelta {
     }
 
     fn params(&self) -> Vec<ParamId> {
-        let mut v = vec![
-            self.input_norm.weight,
-            self.dt_bias,
-            self.a_log,
-            self.norm.weight,
-        ];
-        match &self.proj {
-            Projections::Qwen35 { qkv, z, b, a } => {
-                for l in [qkv, z, b, a] {
-                    v.extend(l.params());
-                }
-            }
-            Projections::Qwen3Next { qkvz, ba } => {
-                v.extend(qkvz.params());
-                v.extend(ba.params());
-            }
-        }
+        let mut v = self.input_norm.params();
+        v.extend([self.dt_bias, self.a_log, self.norm.weight]);
+        v.extend(self.proj.params());
         v.extend(self.conv.params());
         v.extend(self.out_proj.params());
         if let Some(n) = &self.post_norm {
-            v.push(n.weight);
+            v.extend(n.params());
         }
         if let Some(f) = &self.ffn {
             v.extend(f.params());
@@ -335,15 +338,7 @@ impl Layer for GatedDelta {
     }
 
     fn quantizable(&self) -> Vec<ParamId> {
-        let mut v: Vec<ParamId> = match &self.proj {
-            Projections::Qwen35 { qkv, z, b, a } => [qkv, z, b, a]
-                .iter()
-                .filter_map(|l| l.quantizable())
-                .collect(),
-            Projections::Qwen3Next { qkvz, ba } => {
-                [qkvz, ba].iter().filter_map(|l| l.quantizable()).collect()
-            }
-        };
+        let mut v = self.proj.quantizable();
         v.extend(self.out_proj.quantizable());
         if let Some(f) = &self.ffn {
             v.extend(f.quantizable());

@@ -11,7 +11,7 @@ use mlex_core::cache::Cache;
 use mlex_core::config::parse_value;
 use mlex_core::error::Result;
 use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
-use mlex_core::nn::{silu, softplus, swiglu, DepthwiseConv, Linear};
+use mlex_core::nn::{silu, softplus, swiglu, DepthwiseConv, Linear, Norm, NormKind};
 use mlex_core::params::{ParamId, Params};
 use mlex_kernels::{mamba2, Dispatch};
 use mlx_rs::ops::indexing::TryIndexOp;
@@ -64,6 +64,10 @@ pub struct Mamba2Options {
     /// Epsilon of the layer's norms.
     #[serde(default = "super::default_eps")]
     pub norm_eps: f64,
+    /// Input norm: `rms` (default) or `layer_norm` (the mixer's gated,
+    /// grouped norm is always RMS).
+    #[serde(default)]
+    pub norm_type: NormKind,
     /// Norm name.
     #[serde(default = "d_norm")]
     pub norm: String,
@@ -74,7 +78,7 @@ pub struct Mamba2Options {
 
 /// A built Mamba2 layer.
 pub struct Mamba2 {
-    norm: ParamId,
+    norm: Norm,
     eps: f32,
     in_proj: Linear,
     conv: DepthwiseConv,
@@ -137,9 +141,7 @@ impl LayerKind for Mamba2Kind {
         let mixer_prefix = ctx.path(&o.mixer);
         let m = |n: &str| format!("{mixer_prefix}.{n}");
         Ok(Box::new(Mamba2 {
-            norm: ctx
-                .weights
-                .take(&format!("{}.weight", ctx.path(&o.norm)), &[hidden])?,
+            norm: Norm::load(o.norm_type, ctx.weights, &ctx.path(&o.norm), hidden, eps)?,
             eps,
             in_proj: Linear::load(
                 ctx.weights,
@@ -311,7 +313,8 @@ impl Layer for Mamba2 {
     }
 
     fn params(&self) -> Vec<ParamId> {
-        let mut v = vec![self.norm, self.dt_bias, self.a_log, self.d, self.gate_norm];
+        let mut v = self.norm.params();
+        v.extend([self.dt_bias, self.a_log, self.d, self.gate_norm]);
         v.extend(self.in_proj.params());
         v.extend(self.conv.params());
         v.extend(self.out_proj.params());
@@ -343,7 +346,7 @@ impl Layer for Mamba2 {
     }
 
     fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
-        let h = fast::rms_norm(x, Some(p.get(self.norm)?), self.eps)?;
+        let h = self.norm.forward(p, x)?;
         Ok(vec![ops::add(x, self.mixer(p, &h, state)?)?])
     }
 

@@ -7,7 +7,7 @@ use mlex_core::cache::Cache;
 use mlex_core::config::parse_value;
 use mlex_core::error::Result;
 use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
-use mlex_core::nn::RmsNorm;
+use mlex_core::nn::{Norm, NormKind};
 use mlex_core::params::{ParamId, Params};
 use mlx_rs::{ops, Array, Dtype};
 use serde::Deserialize;
@@ -27,6 +27,9 @@ pub struct FfnLayerOptions {
     /// Epsilon of the norm.
     #[serde(default = "super::default_eps")]
     pub norm_eps: f64,
+    /// The norm: `rms` (default) or `layer_norm`.
+    #[serde(default)]
+    pub norm_type: NormKind,
     /// Feed-forward sizes.
     #[serde(default)]
     pub ffn_sizes: FfnSizes,
@@ -47,7 +50,7 @@ pub struct FfnLayerOptions {
 /// A pre-norm feed-forward layer.
 pub struct FfnLayer {
     kind: &'static str,
-    norm: RmsNorm,
+    norm: Norm,
     ffn: Ffn,
 }
 
@@ -63,7 +66,7 @@ fn build(ctx: &mut BuildCtx<'_>, kind: &'static str, default_ffn: &str) -> Resul
     let spec = ffn_spec(ctx, kind, hidden, &ffn_kind, o.bias, &o.ffn_sizes)?;
     Ok(Box::new(FfnLayer {
         kind,
-        norm: RmsNorm::load(ctx.weights, &ctx.path(&o.norm), hidden, eps)?,
+        norm: Norm::load(o.norm_type, ctx.weights, &ctx.path(&o.norm), hidden, eps)?,
         ffn: Ffn::load(ctx.weights, &ctx.path(&o.prefix), &spec)?,
     }))
 }
@@ -115,7 +118,7 @@ impl Layer for FfnLayer {
         self.kind
     }
     fn params(&self) -> Vec<ParamId> {
-        let mut v = vec![self.norm.weight];
+        let mut v = self.norm.params();
         v.extend(self.ffn.params());
         v
     }

@@ -313,17 +313,25 @@ impl FusedLinear {
             .iter()
             .filter(|p| ld.has(&format!("{p}.scales")))
             .count();
-        let dtypes: Vec<Option<Dtype>> = prefixes
-            .iter()
-            .map(|p| ld.dtype_of(&format!("{p}.weight")))
-            .collect();
-        let same_quant = quant.windows(2).all(|w| w[0] == w[1]);
-        let quantized = quant[0].is_some();
-        let consistent = if quantized {
-            scaled == parts.len() && same_quant
-        } else {
-            scaled == 0 && dtypes[0].is_some() && dtypes.windows(2).all(|w| w[0] == w[1])
+        // Every tensor the parts hold, present with one dtype across them
+        // (a concatenation would otherwise promote, e.g. float16 scales
+        // beside float32 ones in a GGUF file).
+        let alike = |suffix: &str| {
+            let dtypes: Vec<Option<Dtype>> = prefixes
+                .iter()
+                .map(|p| ld.dtype_of(&format!("{p}.{suffix}")))
+                .collect();
+            dtypes[0].is_some() && dtypes.windows(2).all(|w| w[0] == w[1])
         };
+        let same_quant = quant.windows(2).all(|w| w[0] == w[1]);
+        let stored_alike = if quant[0].is_some() {
+            scaled == parts.len()
+                && same_quant
+                && ["weight", "scales", "biases"].iter().all(|s| alike(s))
+        } else {
+            scaled == 0 && alike("weight")
+        };
+        let consistent = stored_alike && (!bias || alike("bias"));
         let fits = |spec: &QuantSpec| {
             in_features % spec.group_size == 0 && (in_features * spec.bits) % 32 == 0
         };

@@ -140,6 +140,22 @@ fn parts_stored_differently_stay_separate_products() {
 }
 
 #[test]
+fn dense_parts_of_different_dtypes_stay_separate() {
+    let (mut map, q) = checkpoint([false; 3], false);
+    let (k, file) = map.remove("l.k_proj.weight").unwrap();
+    map.insert(
+        "l.k_proj.weight",
+        k.as_dtype(mlx_rs::Dtype::Float16).unwrap(),
+        file,
+    );
+    let (l, _) = load(map, q, false, true);
+    assert!(
+        matches!(l, FusedLinear::Parts(_)),
+        "float16 beside float32 must not be concatenated"
+    );
+}
+
+#[test]
 fn a_checkpoint_holding_the_fused_name_loads_as_it_is() {
     // What an in-memory quantization of a fused model writes back.
     let (map, q) = checkpoint([false; 3], false);

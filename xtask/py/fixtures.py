@@ -659,6 +659,13 @@ def mlx_specs() -> list[MlxSpec]:
             notes="LayerNorm with biases (the one built-in without RMS norm), partial rotary 0.25, q/k/v biases",
         ),
         MlxSpec(
+            "stablelm-bf16",
+            stablelm_config,
+            "stablelm",
+            dtype="bfloat16",
+            notes="bfloat16; mlx-lm computes StableLM's attention with float32 queries and keys",
+        ),
+        MlxSpec(
             "qwen3_next-moe-f32",
             lambda: qwen3_next_config(moe=True),
             "qwen3_next_moe",

@@ -359,7 +359,9 @@ impl Model {
     }
 
     /// Replaces the weight called `name` (same shape and dtype). Compiled
-    /// traces built before see the new value on their next call.
+    /// traces built before see the new value on their next call. `name` is
+    /// the store's: projections fused at load go by their fused name
+    /// (`...q_proj+k_proj+v_proj.weight`, [`crate::nn::fused_name`]).
     pub fn update_weight(&mut self, name: &str, array: Array) -> Result<()> {
         let id = self.params.find(name).ok_or_else(|| Error::MissingTensor {
             name: name.to_owned(),

@@ -228,11 +228,13 @@ pub fn fuse_projections() -> bool {
 /// (one kernel, one read of the input) serves them all, and
 /// [`FusedLinear::forward`] splits the result into views. Decode on a GPU
 /// pays per kernel, and a batched product of a few rows costs about the
-/// same at any width, so this removes two of every three such launches.
+/// same at any width, so this removes launches (q/k/v 3 → 1, gate/up
+/// 2 → 1, Qwen3.5's Gated DeltaNet inputs 4 → 1).
 /// Parts stored differently (dense beside quantized, other quantization or
 /// dtype) stay separate products, as does everything under
-/// `MLEX_FUSE_PROJECTIONS=0`. The result is exact: every output element
-/// is the same dot product.
+/// `MLEX_FUSE_PROJECTIONS=0`. Every output element is the same dot
+/// product; its last bits may differ where MLX picks another matmul kernel
+/// for the wider product.
 #[derive(Clone, Debug)]
 pub enum FusedLinear {
     /// One matrix; `sizes` are the parts' output widths, in order.

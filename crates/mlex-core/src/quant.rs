@@ -101,8 +101,14 @@ impl Quantization {
 
     /// The spec for the module at `path` (e.g. `model.layers.0.mlp.gate`).
     pub fn for_module(&self, path: &str) -> Option<QuantSpec> {
-        match self.overrides.get(path) {
-            Some(o) => o.clone(),
+        if let Some(o) = self.overrides.get(path) {
+            return o.clone();
+        }
+        // Projections fused at load (`a.q_proj+k_proj+v_proj`, see
+        // `nn::fused_name`) are stored alike, so the first part's entry is
+        // theirs (mlx-lm's mixed recipes give every module its own).
+        match path.split_once('+') {
+            Some((first, _)) => self.for_module(first),
             None => self.default.clone(),
         }
     }

@@ -8,7 +8,7 @@
 //!   `GET /metrics` (Prometheus text).
 //! - Concurrent requests decode in one forward: the HTTP side only parses
 //!   and answers; one engine thread owns the model (MLX arrays and compiled
-//!   traces stay on one thread) and steps the batch ([`engine`]).
+//!   traces stay on one thread) and steps the batch (module `engine`).
 //! - A bounded queue answers 503 with `Retry-After` when full; a client
 //!   that disconnects stops its sequence within one decode step; with an API
 //!   key, a request without `Authorization: Bearer KEY` is a 401; SIGTERM
@@ -21,7 +21,8 @@
 //!   `usage.prompt_tokens_details.cached_tokens` and in a log line per
 //!   request.
 //!
-//! The request fields honoured and refused are listed in [`api`].
+//! The request fields honoured and refused are listed in module `api`
+//! (and in the README).
 #![deny(missing_docs)]
 
 mod api;

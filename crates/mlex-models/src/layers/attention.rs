@@ -137,6 +137,11 @@ pub struct AttentionOptions {
     /// Sliding window (rotating cache) size.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Queries and keys in float32 for the attention product, its output
+    /// cast back to the values' dtype (mlx-lm's StableLM); the cache keeps
+    /// the model's dtype.
+    #[serde(default)]
+    pub attention_f32: bool,
     /// Canon convolutions (DharaAR).
     #[serde(default)]
     pub canon: Option<CanonOptions>,
@@ -184,6 +189,7 @@ pub struct Attention {
     kernel: i32,
     scale: f32,
     window: Option<usize>,
+    attention_f32: bool,
     hidden: i32,
     intermediate: i32,
 }
@@ -386,6 +392,7 @@ impl Attention {
             kernel,
             scale: (head_dim as f32).powf(-0.5),
             window: o.sliding_window,
+            attention_f32: o.attention_f32,
             hidden,
             intermediate,
         })
@@ -595,6 +602,12 @@ impl Layer for Attention {
         let n = q.shape()[2] as usize;
         let mask = kv.mask(n)?;
         let (keys, values) = kv.update_and_fetch(&k, &v)?;
+        let out_dtype = values.dtype();
+        let (q, keys) = if self.attention_f32 {
+            (q.as_dtype(Dtype::Float32)?, keys.as_dtype(Dtype::Float32)?)
+        } else {
+            (q, keys)
+        };
         let o = match &mask {
             AttentionMask::None => {
                 fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, None, None)?
@@ -610,6 +623,11 @@ impl Layer for Attention {
             AttentionMask::Array(m) => {
                 fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, m, None)?
             }
+        };
+        let o = if self.attention_f32 {
+            o.as_dtype(out_dtype)?
+        } else {
+            o
         };
         let mut out = vec![x, o];
         out.extend(gate);

@@ -11,18 +11,8 @@ use mlex_core::weights::{WeightLoader, WeightMap};
 use mlx_rs::{ops, Array};
 use serde_json::json;
 
-/// Deterministic pseudo-random floats in [-1, 1).
-fn data(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
+mod common;
+use common::data;
 
 fn values(a: &Array) -> Vec<f32> {
     // The parts of a fused product are strided views: copy to read them.

@@ -784,3 +784,42 @@ fn broken_specs_say_where_and_what() {
         "{e}"
     );
 }
+
+#[test]
+fn a_bad_norm_type_and_unsupported_stablelm_variants_are_named() {
+    // An unknown norm in a spec: located, with the choices.
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("bad_norm.toml");
+    let base = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("architectures/stablelm.toml"),
+    )
+    .unwrap()
+    .replace("model_type = \"stablelm\"", "model_type = \"stablelm_bad\"");
+    std::fs::write(
+        &p,
+        base.replace(
+            "norm_type = \"layer_norm\"\nmax_context",
+            "norm_type = \"batch_norm\"\nmax_context",
+        ),
+    )
+    .unwrap();
+    let e = mlex_models::build_registry(std::slice::from_ref(&p))
+        .err()
+        .expect("an unknown norm_type is an error")
+        .to_string();
+    assert!(
+        e.contains("bad_norm.toml:") && e.contains("batch_norm") && e.contains("layer_norm"),
+        "{e}"
+    );
+    // StableLM-2-12B's parallel residual and per-head q/k LayerNorm are
+    // refused, naming the key, rather than computed wrongly.
+    let f = fixture("stablelm-f32");
+    for key in ["use_parallel_residual", "qk_layernorm"] {
+        let model = copy_with_config(&path_of(&f), |v| v[key] = true.into());
+        let e = load_err(model.path()).to_string();
+        assert!(
+            e.contains("config.json") && e.contains(key) && e.contains("unsupported value true"),
+            "{key}: {e}"
+        );
+    }
+}

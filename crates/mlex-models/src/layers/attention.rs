@@ -14,7 +14,7 @@
 use super::canon::Canon;
 use super::ffn::Ffn;
 use super::rope::Rope;
-use super::{ffn_spec, size, FfnSizes};
+use super::{ffn_spec, layer_norm, size, FfnSizes};
 use mlex_cache::{KvCache, RotatingKvCache, StateCache};
 use mlex_core::cache::{AttentionMask, Cache};
 use mlex_core::config::parse_value;
@@ -257,13 +257,7 @@ impl Attention {
         let attn_prefix = ctx.path(&o.attn);
         let a = |n: &str| format!("{attn_prefix}.{n}");
         let input_norm = match &o.input_norm {
-            Some(n) => Some(Norm::load(
-                o.norm_type,
-                ctx.weights,
-                &ctx.path(n),
-                hidden,
-                eps,
-            )?),
+            Some(n) => Some(layer_norm(ctx, o.norm_type, n, hidden, eps)?),
             None => None,
         };
         let q_out = n_heads * head_dim * if o.gated { 2 } else { 1 };
@@ -317,7 +311,7 @@ impl Attention {
         let (post_norm, ffn, intermediate) = match (&o.post_norm, o.mlp.as_str()) {
             (Some(n), kind) if kind != "none" => {
                 let spec = ffn_spec(ctx, "attention", hidden, kind, o.mlp_bias, &o.ffn_sizes)?;
-                let post = Norm::load(o.norm_type, ctx.weights, &ctx.path(n), hidden, eps)?;
+                let post = layer_norm(ctx, o.norm_type, n, hidden, eps)?;
                 let ffn = Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?;
                 (Some(post), Some(ffn), spec.intermediate)
             }

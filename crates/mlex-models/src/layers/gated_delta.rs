@@ -13,7 +13,7 @@
 //! fixed size, so the whole layer is one pure phase.
 
 use super::ffn::Ffn;
-use super::{ffn_spec, size, FfnSizes};
+use super::{ffn_spec, layer_norm, size, FfnSizes};
 use mlex_cache::{conv_window_step, StateCache};
 use mlex_core::cache::Cache;
 use mlex_core::config::parse_value;
@@ -160,13 +160,7 @@ impl LayerKind for GatedDeltaKind {
         let m = |n: &str| format!("{mixer_prefix}.{n}");
         let (key_dim, value_dim) = (nk * dk, nv * dv);
         let conv_dim = 2 * key_dim + value_dim;
-        let input_norm = Norm::load(
-            o.norm_type,
-            ctx.weights,
-            &ctx.path(&o.input_norm),
-            hidden,
-            eps,
-        )?;
+        let input_norm = layer_norm(ctx, o.norm_type, &o.input_norm, hidden, eps)?;
         let (layout, parts) = match o.layout.as_str() {
             "qwen3_5" => (
                 Layout::Qwen35,
@@ -202,13 +196,7 @@ impl LayerKind for GatedDeltaKind {
             (Some(n), kind) if kind != "none" => {
                 let spec = ffn_spec(ctx, "gated_delta", hidden, kind, false, &o.ffn_sizes)?;
                 (
-                    Some(Norm::load(
-                        o.norm_type,
-                        ctx.weights,
-                        &ctx.path(n),
-                        hidden,
-                        eps,
-                    )?),
+                    Some(layer_norm(ctx, o.norm_type, n, hidden, eps)?),
                     Some(Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?),
                 )
             }

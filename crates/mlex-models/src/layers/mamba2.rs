@@ -141,7 +141,7 @@ impl LayerKind for Mamba2Kind {
         let mixer_prefix = ctx.path(&o.mixer);
         let m = |n: &str| format!("{mixer_prefix}.{n}");
         Ok(Box::new(Mamba2 {
-            norm: Norm::load(o.norm_type, ctx.weights, &ctx.path(&o.norm), hidden, eps)?,
+            norm: super::layer_norm(ctx, o.norm_type, &o.norm, hidden, eps)?,
             eps,
             in_proj: Linear::load(
                 ctx.weights,

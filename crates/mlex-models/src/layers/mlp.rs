@@ -66,7 +66,7 @@ fn build(ctx: &mut BuildCtx<'_>, kind: &'static str, default_ffn: &str) -> Resul
     let spec = ffn_spec(ctx, kind, hidden, &ffn_kind, o.bias, &o.ffn_sizes)?;
     Ok(Box::new(FfnLayer {
         kind,
-        norm: Norm::load(o.norm_type, ctx.weights, &ctx.path(&o.norm), hidden, eps)?,
+        norm: super::layer_norm(ctx, o.norm_type, &o.norm, hidden, eps)?,
         ffn: Ffn::load(ctx.weights, &ctx.path(&o.prefix), &spec)?,
     }))
 }

@@ -135,6 +135,19 @@ pub fn ffn_spec(
     })
 }
 
+/// The layer's norm called `name` (under the layer prefix) of `[dim]`, as
+/// the kind's `norm_type` option says.
+pub fn layer_norm(
+    ctx: &mut BuildCtx<'_>,
+    kind: mlex_core::nn::NormKind,
+    name: &str,
+    dim: i32,
+    eps: f32,
+) -> Result<mlex_core::nn::Norm> {
+    let prefix = ctx.path(name);
+    mlex_core::nn::Norm::load(kind, ctx.weights, &prefix, dim, eps)
+}
+
 /// The default norm epsilon of the kinds' `norm_eps` option.
 pub fn default_eps() -> f64 {
     d_eps()

@@ -196,13 +196,24 @@ impl Drop for CudaKernel {
     }
 }
 
+/// FNV-1a of `source`, folded to 32 bits.
+fn source_hash(source: &str) -> u32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in source.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h ^ (h >> 32)) as u32
+}
+
 thread_local! {
     /// Kernels by name (MLX arrays and kernels stay on their thread).
     static KERNELS: RefCell<HashMap<&'static str, Rc<CudaKernel>>> = RefCell::new(HashMap::new());
 }
 
 impl CudaKernel {
-    /// The kernel `name` of this thread, built from `source` on first use.
+    /// The kernel `name` of this thread, built from `source` on first use
+    /// (MLX sees `name` followed by a hash of `source`).
     pub fn cached(
         name: &'static str,
         inputs: &[&str],
@@ -213,7 +224,11 @@ impl CudaKernel {
             if let Some(found) = k.borrow().get(name) {
                 return Ok(found.clone());
             }
-            let made = Rc::new(CudaKernel::new(name, inputs, outputs, source)?);
+            // MLX caches compiled kernels on disk by name and template
+            // arguments, not by source: a name that carries a hash of the
+            // source keeps an edited kernel from running its old build.
+            let versioned = format!("{name}_{:08x}", source_hash(source));
+            let made = Rc::new(CudaKernel::new(&versioned, inputs, outputs, source)?);
             k.borrow_mut().insert(name, made.clone());
             Ok(made)
         })

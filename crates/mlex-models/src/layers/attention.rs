@@ -14,7 +14,7 @@
 use super::canon::Canon;
 use super::ffn::Ffn;
 use super::rope::Rope;
-use super::{ffn_spec, layer_norm, size, FfnSizes};
+use super::{add_then_norm, ffn_spec, layer_norm, size, FfnSizes};
 use mlex_cache::{KvCache, RotatingKvCache, StateCache};
 use mlex_core::cache::{AttentionMask, Cache};
 use mlex_core::config::parse_value;
@@ -22,6 +22,8 @@ use mlex_core::error::{Error, Result};
 use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
 use mlex_core::nn::{FusedLinear, Linear, Norm, NormKind, RmsNorm};
 use mlex_core::params::{ParamId, Params};
+use mlex_kernels::qk_rope::{self, QkNorms, Rotation};
+use mlex_kernels::Dispatch;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{fast, ops, Array, Dtype};
 use serde::Deserialize;
@@ -179,6 +181,9 @@ pub struct Attention {
     qk_norm: QkNorm,
     gated: bool,
     rope: Option<Rope>,
+    /// The rotation as the fused q/k kernel takes it, where that kernel
+    /// can run this layer's q/k preparation (see [`Attention::fused_qk`]).
+    rotation: Option<Rotation>,
     inv_freq: Option<ParamId>,
     post_norm: Option<Norm>,
     ffn: Option<Ffn>,
@@ -308,6 +313,20 @@ impl Attention {
         } else {
             None
         };
+        // The fused q/k kernel covers norms before RoPE (or none) and the
+        // rotations `Rope` computes; a checkpoint's own `inv_freq` tensor
+        // and norms after RoPE keep the ops.
+        let rotation = match (&rope, inv_freq, o.qk_norm) {
+            (Some(r), None, QkNorm::None | QkNorm::PreRope) => {
+                let rot = match &r.freqs {
+                    Some(f) => Rotation::from_periods(r.dims, r.traditional, f, 1.0),
+                    None => Rotation::from_base(r.dims, r.traditional, r.base, r.scale),
+                };
+                let eps = (o.qk_norm == QkNorm::PreRope).then_some(eps);
+                qk_rope::supported(head_dim, &rot, eps).then_some(rot)
+            }
+            _ => None,
+        };
         let (post_norm, ffn, intermediate) = match (&o.post_norm, o.mlp.as_str()) {
             (Some(n), kind) if kind != "none" => {
                 let spec = ffn_spec(ctx, "attention", hidden, kind, o.mlp_bias, &o.ffn_sizes)?;
@@ -376,6 +395,7 @@ impl Attention {
             qk_norm: o.qk_norm,
             gated: o.gated,
             rope,
+            rotation,
             inv_freq,
             post_norm,
             ffn,
@@ -410,6 +430,36 @@ impl Attention {
             w.push(("D", self.intermediate));
         }
         w
+    }
+
+    /// Whether a step of `tokens` tokens prepares q and k (their norms
+    /// before RoPE, and RoPE) in one fused CUDA kernel in `grow`, instead
+    /// of norms in `head` and two RoPEs in `grow`. `head` and `grow` ask
+    /// with the same token count and the same (un-normed) `q`, so they
+    /// agree. Norm weights of another dtype than `q` keep the ops, whose
+    /// `rms_norm` promotes where the kernel would not.
+    fn fused_qk(&self, p: &Params, q: &Array, tokens: i32) -> Result<bool> {
+        if self.rotation.is_none()
+            || tokens > Dispatch::QK_ROPE_MAX_TOKENS
+            || !Dispatch::current().fused_norms
+            || !matches!(q.dtype(), Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
+        {
+            return Ok(false);
+        }
+        for n in [&self.q_norm, &self.k_norm].into_iter().flatten() {
+            if p.get(n.weight)?.dtype() != q.dtype() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Whether `head` hands q and k on as views of the fused q/k/v product
+    /// (no pre-RoPE norm or canon convolution computes them anew).
+    fn qk_are_views(&self) -> bool {
+        matches!(self.qkv, FusedLinear::One { .. })
+            && self.qk_norm != QkNorm::PreRope
+            && self.canon.b.is_none()
     }
 
     fn heads(&self, x: &Array, heads: i32) -> Result<Array> {
@@ -560,10 +610,21 @@ impl Layer for Attention {
             k = cur.canon(p, Some(bk), k, state)?;
             v = cur.canon(p, Some(bv), v, state)?;
         }
+        if self.qk_are_views() && x.shape()[0] * x.shape()[1] > 1 {
+            // Several rows of q and k as views of the fused q/k/v product
+            // have a row stride wider than their heads, and MLX's CUDA
+            // backend mishandles that layout on its way through RoPE and
+            // attention: llama-f32 and qwen2-f32 missed mlx-lm's logits by
+            // 10+ on the H200, and matched within 1e-5 with the projections
+            // apart. Copies give them the layout of separate projections.
+            // (One row is contiguous as it is.)
+            q = q.contiguous()?;
+            k = k.contiguous()?;
+        }
         let mut q = self.heads(&q, self.n_heads)?;
         let mut k = self.heads(&k, self.n_kv_heads)?;
         let v = self.heads(&v, self.n_kv_heads)?;
-        if self.qk_norm == QkNorm::PreRope {
+        if self.qk_norm == QkNorm::PreRope && !self.fused_qk(p, &q, x.shape()[1])? {
             q = self.q_norm.as_ref().expect("loaded").forward(p, &q)?;
             k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;
         }
@@ -587,8 +648,24 @@ impl Layer for Attention {
             Some(rows) => RopeAt::Rows(rows),
             None => RopeAt::Offset(kv.offset()),
         };
-        let mut q = self.apply_rope(p, &q, &at)?;
-        let mut k = self.apply_rope(p, &k, &at)?;
+        let (mut q, mut k) = match &self.rotation {
+            Some(rotation) if self.fused_qk(p, &q, q.shape()[2])? => {
+                let positions = match &at {
+                    RopeAt::Rows(rows) => rows.clone(),
+                    RopeAt::Offset(o) => Array::from_slice(&[*o as i32], &[1]),
+                };
+                let norms = match (&self.q_norm, &self.k_norm) {
+                    (Some(qn), Some(kn)) => Some(QkNorms {
+                        q: p.get(qn.weight)?,
+                        k: p.get(kn.weight)?,
+                        eps: qn.eps,
+                    }),
+                    _ => None,
+                };
+                qk_rope::apply(&q, &k, norms, &positions, rotation)?
+            }
+            _ => (self.apply_rope(p, &q, &at)?, self.apply_rope(p, &k, &at)?),
+        };
         if self.qk_norm == QkNorm::PostRope {
             q = self.q_norm.as_ref().expect("loaded").forward(p, &q)?;
             k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;
@@ -640,15 +717,15 @@ impl Layer for Attention {
         if let Some(g) = gate {
             o = ops::multiply(&o, ops::sigmoid(&g)?)?;
         }
-        let h = ops::add(&x, self.o_proj.forward(p, &o)?)?;
+        let attended = self.o_proj.forward(p, &o)?;
         let (Some(post), Some(ffn)) = (&self.post_norm, &self.ffn) else {
-            return Ok(h);
+            return Ok(ops::add(&x, attended)?);
         };
         // Canon windows A and B were consumed by `head`.
         let mut cur = StateCursor(
             usize::from(self.canon.a.is_some()) + if self.canon.b.is_some() { 3 } else { 0 },
         );
-        let m = post.forward(p, &h)?;
+        let (h, m) = add_then_norm(p, post, &x, &attended)?;
         let m = cur.canon(p, self.canon.c.as_ref(), m, state)?;
         let y = match &self.canon.d {
             None => ffn.forward(p, &m, None)?,

@@ -348,10 +348,13 @@ impl Layer for GatedDelta {
     }
 
     fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
-        let h = ops::add(x, self.mixer(p, &self.input_norm.forward(p, x)?, state)?)?;
+        let mixed = self.mixer(p, &self.input_norm.forward(p, x)?, state)?;
         let out = match (&self.post_norm, &self.ffn) {
-            (Some(n), Some(f)) => ops::add(&h, f.forward(p, &n.forward(p, &h)?, None)?)?,
-            _ => h,
+            (Some(n), Some(f)) => {
+                let (h, m) = super::add_then_norm(p, n, x, &mixed)?;
+                ops::add(&h, f.forward(p, &m, None)?)?
+            }
+            _ => ops::add(x, mixed)?,
         };
         Ok(vec![out])
     }

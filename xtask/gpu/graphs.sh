@@ -30,7 +30,8 @@ env_of() { case $1 in
   default) echo "MLEX_X=1";; nographs) echo "MLX_USE_CUDA_GRAPHS=0";;
   ops*) echo "MLX_MAX_OPS_PER_BUFFER=${1#ops}";; esac; }
 names() { KCOUNT_NAMES=1 LD_PRELOAD=/tmp/libkcount.so timeout 120 $M bench --model "$@" --prompt-len 16 2>&1 | grep -E '^k(name|busy|count):'; }
-echo "== kernels of one decode token by name (runs 64 steps apart), default settings"
+# (--gen 4 and --gen 68 runs: warm-ups of min(gen, 8) tokens make them 68 decode steps apart)
+echo "== kernels of one decode token by name (runs 68 decode steps apart), default settings"
 for s in ${SHAPES//,/ }; do
   names /tmp/models/$s-real --gen 4 > /tmp/ka; names /tmp/models/$s-real --gen 68 > /tmp/kb
   python3 - "$s" /tmp/ka /tmp/kb <<'PY'
@@ -48,7 +49,7 @@ def read(p):
             n = int(rest.split()[0])
     return d, busy, n
 a, ba, na = read(sys.argv[2]); b, bb, nb = read(sys.argv[3])
-steps = 64
+steps = 68
 print(f"{sys.argv[1]}: {(nb - na) / steps:.1f} kernels and {(bb - ba) / steps / 1e3:.1f} us of GPU time per token")
 rows = []
 for name, (c, ns) in b.items():

@@ -31,10 +31,11 @@ lib=$(dirname "$(find /usr/local/cuda*/ /opt /usr/lib/python3* -name 'libcupti.s
 cuda_h=$(dirname "$(find /usr/local/cuda*/ /opt -name cuda.h 2>/dev/null | head -1)")
 cc -shared -fPIC -O2 -I"$hdr" -I"$cuda_h" xtask/gpu/kcount.c -L"$lib" -lcupti -Wl,-rpath,"$lib" -o /tmp/libkcount.so || echo "no CUPTI counter"
 count() { LD_PRELOAD=/tmp/libkcount.so timeout 120 $M bench --model "$@" --prompt-len 16 2>&1 | grep -E '^k(count|busy):' | tr '\n' ' '; }
-echo "== kernels and GPU time per decode token (runs 64 steps apart)"
+# (--gen 4 and --gen 68 runs: warm-ups of min(gen, 8) tokens make them 68 decode steps apart)
+echo "== kernels and GPU time per decode token (runs 68 steps apart)"
 for s in qwen3-0.6b qwen3_5; do for on in 0 1; do
   a=$(MLEX_FUSED_NORMS=$on count /tmp/models/$s-real --gen 4); b=$(MLEX_FUSED_NORMS=$on count /tmp/models/$s-real --gen 68)
-  python3 -c "import sys,re; a,b=[list(map(int,re.findall(r'\d+',x))) for x in sys.argv[2:4]]; print(f'{sys.argv[1]}: {(b[0]-a[0])/64:.1f} kernels, {(b[1]-a[1])/64/1e3:.1f} us GPU per token')" "$s fused=$on" "$a" "$b"
+  python3 -c "import sys,re; a,b=[list(map(int,re.findall(r'\d+',x))) for x in sys.argv[2:4]]; print(f'{sys.argv[1]}: {(b[0]-a[0])/68:.1f} kernels, {(b[1]-a[1])/68/1e3:.1f} us GPU per token')" "$s fused=$on" "$a" "$b"
 done; done
 echo "== decode: mlex fused norms on (1), off (0), then mlx-lm, alternating (prompt 128, 256 tokens)"
 for r in $(seq "$ROUNDS"); do

@@ -55,7 +55,7 @@ pub struct Dispatch {
     /// over at most [`add_rms_norm::MAX_ROWS`] rows as
     /// [`add_rms_norm::apply`]: decode steps, and prompts that short.
     /// Off by default: on the H200 they cut a Qwen3-0.6B-like decode token
-    /// from 481 to 362 kernels but did not make decode measurably faster
+    /// from 453 to 341 kernels but did not make decode measurably faster
     /// in two alternating rounds, and the GPU's busy time per token rose
     /// (`docs/BENCHMARKS.md`); `MLEX_FUSED_NORMS=1` turns them on.
     pub fused_norms: bool,

@@ -4,8 +4,8 @@
 //!
 //! As ops this is four MLX kernels a layer (`rms_norm` twice, `rope`
 //! twice), each a graph node the host builds and a CUDA graph node the GPU
-//! launches: on the H200 a Qwen3-0.6B-like decode token spends 60 rope and
-//! 60 small-norm launches of its 481 (`docs/BENCHMARKS.md`). [`apply`] is
+//! launches: on the H200 a Qwen3-0.6B-like decode token spends 56 rope and
+//! 56 small-norm launches of its 453 (`docs/BENCHMARKS.md`). [`apply`] is
 //! one custom CUDA kernel (`qk_rope.cu`) computing what `fast::rms_norm`
 //! then `fast::rope` compute, with the same roundings (the normalised value
 //! rounded to the dtype before the weight, the angle as

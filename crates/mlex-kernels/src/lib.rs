@@ -120,7 +120,8 @@ impl Dispatch {
             match std::env::var("MLEX_FUSED_NORMS").as_deref() {
                 Ok("1") => d.fused_norms = d.backend == Backend::Cuda,
                 Ok("0") => d.fused_norms = false,
-                _ => {}
+                Ok(v) => eprintln!("mlex: MLEX_FUSED_NORMS={v} is neither 0 nor 1; ignored"),
+                Err(_) => {}
             }
             if let Ok(v) = std::env::var("MLEX_SKINNY_ROWS") {
                 match parse_rows(&v) {

@@ -5,34 +5,10 @@
 
 use mlex_kernels::add_rms_norm;
 use mlex_kernels::qk_rope::{self, QkNorms, Rotation};
-use mlx_rs::{fast, ops, random, Array, Dtype};
+mod common;
 
-fn normal(shape: &[i32], seed: u64) -> Array {
-    random::normal::<f32>(shape, None, None, Some(&random::key(seed).unwrap())).unwrap()
-}
-
-fn max_abs_diff(a: &Array, b: &Array) -> f32 {
-    let (a, b) = (
-        a.as_dtype(Dtype::Float32).unwrap(),
-        b.as_dtype(Dtype::Float32).unwrap(),
-    );
-    ops::abs(ops::subtract(&a, &b).unwrap())
-        .unwrap()
-        .max(None)
-        .unwrap()
-        .item_exact::<f32>()
-}
-
-/// The largest difference relative to the largest magnitude of `b` (at
-/// least 1).
-fn max_rel_diff(a: &Array, b: &Array) -> f32 {
-    let m = ops::abs(b.as_dtype(Dtype::Float32).unwrap())
-        .unwrap()
-        .max(None)
-        .unwrap()
-        .item_exact::<f32>();
-    max_abs_diff(a, b) / m.max(1.0)
-}
+use common::{assert_on_cuda, max_abs_diff, max_rel, normal};
+use mlx_rs::{fast, ops, Array, Dtype};
 
 /// MLX's rope of `x` `[B, H, L, D]`: at `offset` for every row, or at
 /// `positions[b]` for row `b`.
@@ -208,11 +184,7 @@ fn mismatched_inputs_are_named() {
 #[test]
 #[ignore = "needs the CUDA backend: run on the GPU machine with --ignored"]
 fn fused_equals_norm_then_rope_on_cuda() {
-    assert_eq!(
-        mlex_core::device::runtime_info().unwrap().backend,
-        mlex_core::device::Backend::Cuda,
-        "this test checks the CUDA kernel and must run where MLX has CUDA"
-    );
+    assert_on_cuda();
     // (batch, q heads, k heads, tokens, norms, positions)
     type Case = (i32, i32, i32, i32, bool, &'static [i32]);
     let cases: [Case; 5] = [
@@ -277,7 +249,7 @@ fn fused_equals_norm_then_rope_on_cuda() {
                 } else {
                     1.6e-2
                 };
-                let (dq, dk) = (max_rel_diff(&q1, &q0), max_rel_diff(&k1, &k0));
+                let (dq, dk) = (max_rel(&q1, &q0), max_rel(&k1, &k0));
                 assert!(
                     dq <= limit && dk <= limit,
                     "rope {n} case {c} {dtype:?}: q differs by {dq}, k by {dk}"
@@ -314,11 +286,7 @@ fn add_rms_norm_takes_decode_rows_only() {
 #[test]
 #[ignore = "needs the CUDA backend: run on the GPU machine with --ignored"]
 fn add_rms_norm_equals_add_then_rms_norm_on_cuda() {
-    assert_eq!(
-        mlex_core::device::runtime_info().unwrap().backend,
-        mlex_core::device::Backend::Cuda,
-        "this test checks the CUDA kernel and must run where MLX has CUDA"
-    );
+    assert_on_cuda();
     for (c, shape) in [[1, 1, 1024], [8, 1, 2048], [3, 2, 1000], [64, 1, 4096]]
         .iter()
         .enumerate()
@@ -335,7 +303,7 @@ fn add_rms_norm_equals_add_then_rms_norm_on_cuda() {
             assert_eq!((h1.shape(), h1.dtype()), (h0.shape(), h0.dtype()));
             assert_eq!((n1.shape(), n1.dtype()), (n0.shape(), n0.dtype()));
             let dh = max_abs_diff(&h1, &h0);
-            let dn = max_rel_diff(&n1, &n0);
+            let dn = max_rel(&n1, &n0);
             let limit = if dtype == Dtype::Float32 {
                 1e-5
             } else {

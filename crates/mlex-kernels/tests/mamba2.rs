@@ -2,34 +2,16 @@
 //! form itself is checked against mlx-lm by the parity suite's NemotronH
 //! fixtures, whose decode steps run it on the CPU).
 
+mod common;
+
+use common::{assert_on_cuda, max_rel, normal};
 use mlex_kernels::mamba2::{self, Params, Shape};
-use mlx_rs::{ops, random, Array, Dtype};
-
-fn normal(shape: &[i32], seed: u64) -> Array {
-    random::normal::<f32>(shape, None, None, Some(&random::key(seed).unwrap())).unwrap()
-}
-
-fn max_rel(a: &Array, b: &Array) -> f32 {
-    let (a, b) = (
-        a.as_dtype(Dtype::Float32).unwrap(),
-        b.as_dtype(Dtype::Float32).unwrap(),
-    );
-    let d = ops::abs(ops::subtract(&a, &b).unwrap())
-        .unwrap()
-        .max(None)
-        .unwrap();
-    let m = ops::abs(&b).unwrap().max(None).unwrap();
-    d.item_exact::<f32>() / m.item_exact::<f32>().max(1.0)
-}
+use mlx_rs::{ops, Array, Dtype};
 
 #[test]
 #[ignore = "needs the CUDA backend: run on the GPU machine with --ignored"]
 fn fused_decode_equals_ops_on_cuda() {
-    assert_eq!(
-        mlex_core::device::runtime_info().unwrap().backend,
-        mlex_core::device::Backend::Cuda,
-        "this test checks the CUDA kernel and must run where MLX has CUDA"
-    );
+    assert_on_cuda();
     let shapes = [
         Shape {
             heads: 4,

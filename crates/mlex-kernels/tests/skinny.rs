@@ -1,16 +1,15 @@
 //! The few-row matmul kernel equals MLX's matmul (CUDA only).
 
+mod common;
+
+use common::assert_on_cuda;
 use mlex_kernels::skinny;
 use mlx_rs::{ops, random, Array, Dtype};
 
 #[test]
 #[ignore = "needs the CUDA backend: run on the GPU machine with --ignored"]
 fn skinny_matmul_equals_mlx_matmul_on_cuda() {
-    assert_eq!(
-        mlex_core::device::runtime_info().unwrap().backend,
-        mlex_core::device::Backend::Cuda,
-        "this test checks the CUDA kernel and must run where MLX has CUDA"
-    );
+    assert_on_cuda();
     for dtype in [Dtype::Bfloat16, Dtype::Float16] {
         for (n, k) in [(8, 16), (1000, 1032), (2048, 1024), (1024, 3072)] {
             for m in [2, 3, 8, 17, 64] {

@@ -8,7 +8,7 @@ load. Only ``mlx.core`` is needed, so it runs in the reference venv and on a
 GPU machine alike. 4-bit variants are not written: both engines quantize on
 load (``mlex bench --quantize 4``, mlx-lm ``quantize_model``, group 64).
 
-    python make_bench_models.py OUT_DIR [--scale tiny|real] [--shapes qwen3-0.6b,qwen3_5,nemotron_h] [--force]
+    python make_bench_models.py OUT_DIR [--scale tiny|small|host|real] [--shapes qwen3-0.6b,qwen3_5,nemotron_h] [--force]
 
 Writes ``OUT_DIR/<shape>-<scale>/``. A model whose ``bench_model.json`` stamp
 matches what would be written is kept (rerunning does no work).
@@ -129,6 +129,11 @@ DIMS = {
         ssm_state=16,
     ),
 }
+# The real models' depth (28 layers, so as many graph nodes a token) at the
+# tiny widths: a step costs almost no arithmetic, so its time is the host's
+# graph construction and evaluation, the cost that bounds small-model decode
+# on the H200. Measures host work on a machine without a GPU.
+DIMS["host"] = dict(DIMS["tiny"], layers=28)
 CONV_KERNEL = 4
 MAX_POSITIONS = 32768
 NEMOTRON_UNIT = "M-M-M*-"

@@ -114,8 +114,13 @@ fn a_thousand_batch_joins_and_leaves_keep_memory_flat() {
 fn a_4000_token_generation_returns_its_memory() {
     let mut g = generator("llama-f32");
     let prompt: Vec<u32> = (1..17).collect();
-    // Warm up (compiles the segments, fills the allocator's cache).
-    g.generate(&prompt, &opts(300, false), &mut |_| Ok(Flow::Continue))
+    // Warm up with the same job: it compiles the segments, fills the
+    // allocator's cache and touches, once, whatever the longer contexts
+    // reach first (code pages, BLAS buffers for larger products). A
+    // 300-token warm-up left those to the measured run: RSS grew 9.1 MB on
+    // a fresh CI machine with nothing held (active memory flat). What is
+    // measured is what a repeated generation keeps.
+    g.generate(&prompt, &opts(4000, false), &mut |_| Ok(Flow::Continue))
         .unwrap();
     let (active0, rss0) = (active_memory().unwrap(), rss());
     let out = g
@@ -144,7 +149,8 @@ fn a_4000_token_generation_returns_its_memory() {
         out.peak_memory_bytes
     );
     // RSS, once MLX and the C allocator give back what they keep for
-    // reuse: no growth beyond slack (measured: 22.8 -> 20.3 MB).
+    // reuse: no growth beyond slack (measured here: 23.4 -> 23.5 and
+    // 30.0 -> 23.5 MB).
     assert!(rss1 < rss0 + (8 << 20), "RSS {rss0} -> {rss1}");
 }
 

@@ -22,7 +22,7 @@ Markdown table (printed, and written to OUT.md) and as JSON (OUT.json,
 rewritten after every case, so a cut-short sweep keeps what it measured).
 
     python bench_vs_mlxlm.py --mlex ./mlex --models MODELS [--device cpu|gpu]
-        [--scale tiny|real] [--pairs 5] [--shapes qwen3-0.6b,qwen3_5,nemotron_h]
+        [--scale tiny|small|host|real] [--pairs 5] [--shapes qwen3-0.6b,qwen3_5,nemotron_h]
         [--quants bf16,4] [--prompt-lens 128,4096] [--gen 256] [--out PREFIX]
 
 The checkpoints are ``MODELS/<shape>-<scale>`` as written by

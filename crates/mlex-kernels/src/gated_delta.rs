@@ -213,30 +213,74 @@ pub fn chunked(
     )?;
     let chunk_decay = ops::exp(&g_last)?.expand_dims(-1)?.expand_dims(-1)?; // [B,H,N,1,1]
 
-    // The only sequential part: two products per chunk.
-    let mut s = f32(state)?;
+    // The only sequential part: two products per chunk, over the state kept
+    // transposed (`sT`, [.., Dk, Dv]) so that neither product needs a
+    // transposed operand. Each per-chunk operand is one output of a single
+    // split of a contiguous chunk-major copy, so a chunk costs three graph
+    // nodes (two `addmm`, one multiply) instead of a dozen slices, swaps
+    // and elementwise ops: the loop runs N times per layer and, at small
+    // widths or on a GPU, a prefill pays per node (docs/BENCHMARKS.md).
+    let chunks = |x: &Array| -> Result<Vec<Array>> {
+        let mut axes: Vec<i32> = vec![2, 0, 1];
+        axes.extend(3..x.ndim() as i32);
+        let x = x.transpose_axes(&axes)?.contiguous()?; // [N, B, H, ...]
+        Ok(ops::split_equal(&x, n, 0)?) // n x [1, B, H, ...]
+    };
+    let u_at = chunks(&u)?;
+    let w_at = chunks(&w)?;
+    let k_decayed_t_at = chunks(&k_decayed.swap_axes(-1, -2)?)?; // [1,B,H,Dk,C]
+    let chunk_decay_at = chunks(&chunk_decay)?;
+    let mut s_t = f32(state)?.swap_axes(-1, -2)?; // [B,H,Dk,Dv]
     let mut starts = Vec::with_capacity(n as usize);
     let mut corrected = Vec::with_capacity(n as usize);
     let mut boundaries = Vec::new();
-    for i in 0..n {
-        let at = |x: &Array| -> Result<Array> { Ok(x.try_index((.., .., i))?) };
-        let v_new = ops::subtract(at(&u)?, ops::matmul(at(&w)?, s.swap_axes(-1, -2)?)?)?;
-        starts.push(s.clone());
-        s = ops::add(
-            ops::multiply(at(&chunk_decay)?, &s)?,
-            ops::matmul(v_new.swap_axes(-1, -2)?, at(&k_decayed)?)?,
+    // The state leaves in its stored layout, [.., Dv, Dk], row-contiguous
+    // (fused decode kernels read it as such).
+    let stored = |s_t: &Array| -> Result<Array> {
+        let s = s_t.swap_axes(-1, -2)?;
+        let s = if s.ndim() == 5 {
+            ops::squeeze_axes(&s, &[0])?
+        } else {
+            s
+        };
+        Ok(s.contiguous()?)
+    };
+    for i in 0..n as usize {
+        // v_new = u - w sT
+        let v_new = ops::addmm(&u_at[i], &w_at[i], &s_t, -1.0, 1.0)?; // [1,B,H,C,Dv]
+        starts.push(s_t.clone());
+        // sT = decay sT + k_decayedᵀ v_new
+        s_t = ops::addmm(
+            ops::multiply(&chunk_decay_at[i], &s_t)?,
+            &k_decayed_t_at[i],
+            &v_new,
+            1.0,
+            1.0,
         )?;
         corrected.push(v_new);
         if keep_boundaries {
-            boundaries.push((((i + 1) * c).min(len) as usize, s.clone()));
+            boundaries.push((((i as i32 + 1) * c).min(len) as usize, stored(&s_t)?));
         }
     }
-    let starts = ops::stack(&starts, 2)?; // [B,H,N,Dv,Dk]
-    let v_new = ops::stack(&corrected, 2)?; // [B,H,N,C,Dv]
+    // The first start is the caller's state, [B,H,Dk,Dv]; the rest carry the
+    // chunks' leading axis of 1.
+    let starts: Vec<Array> = starts
+        .iter()
+        .map(|s| {
+            if s.ndim() == 4 {
+                Ok(s.expand_dims(0)?)
+            } else {
+                Ok(s.clone())
+            }
+        })
+        .collect::<Result<_>>()?;
+    let starts_t = ops::concatenate(&starts, 0)?.transpose_axes(&[1, 2, 0, 3, 4])?; // [B,H,N,Dk,Dv]
+    let v_new = ops::concatenate(&corrected, 0)?.transpose_axes(&[1, 2, 0, 3, 4])?; // [B,H,N,C,Dv]
     let y = ops::add(
-        ops::matmul(&q_decayed, starts.swap_axes(-1, -2)?)?,
+        ops::matmul(&q_decayed, &starts_t)?,
         ops::matmul(&qk, &v_new)?,
     )?;
+    let s = stored(&s_t)?;
     // [B,H,N,C,Dv] -> [B,L,H,Dv]
     let y = ops::reshape(y.transpose_axes(&[0, 2, 3, 1, 4])?, &[bsz, n * c, h, dv])?;
     let y = if pad > 0 {

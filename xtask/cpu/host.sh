@@ -16,7 +16,8 @@ shapes=(qwen3-0.6b qwen3_5 nemotron_h)
 mkdir -p "$out"
 "$py" "$root/xtask/py/make_bench_models.py" "$out/models" --scale host \
   --shapes "$(IFS=,; echo "${shapes[*]}")" >&2
-: > "$out/rounds.jsonl"
+# A profile-only call (ROUNDS 0) keeps the rounds measured before.
+if (( rounds > 0 )); then : > "$out/rounds.jsonl"; fi
 for r in $(seq "$rounds"); do
   for s in "${shapes[@]}"; do
     m=$out/models/$s-host

@@ -230,20 +230,16 @@ pub fn chunked(
     let w_at = chunks(&w)?;
     let k_decayed_t_at = chunks(&k_decayed.swap_axes(-1, -2)?)?; // [1,B,H,Dk,C]
     let chunk_decay_at = chunks(&chunk_decay)?;
-    let mut s_t = f32(state)?.swap_axes(-1, -2)?; // [B,H,Dk,Dv]
+    // The chunks' leading axis of 1 from the start, so every start stacks
+    // alike.
+    let mut s_t = f32(state)?.swap_axes(-1, -2)?.expand_dims(0)?; // [1,B,H,Dk,Dv]
     let mut starts = Vec::with_capacity(n as usize);
     let mut corrected = Vec::with_capacity(n as usize);
     let mut boundaries = Vec::new();
     // The state leaves in its stored layout, [.., Dv, Dk], row-contiguous
     // (fused decode kernels read it as such).
     let stored = |s_t: &Array| -> Result<Array> {
-        let s = s_t.swap_axes(-1, -2)?;
-        let s = if s.ndim() == 5 {
-            ops::squeeze_axes(&s, &[0])?
-        } else {
-            s
-        };
-        Ok(s.contiguous()?)
+        Ok(ops::squeeze_axes(&s_t.swap_axes(-1, -2)?, &[0])?.contiguous()?)
     };
     for i in 0..n as usize {
         // v_new = u - w sT
@@ -262,18 +258,6 @@ pub fn chunked(
             boundaries.push((((i as i32 + 1) * c).min(len) as usize, stored(&s_t)?));
         }
     }
-    // The first start is the caller's state, [B,H,Dk,Dv]; the rest carry the
-    // chunks' leading axis of 1.
-    let starts: Vec<Array> = starts
-        .iter()
-        .map(|s| {
-            if s.ndim() == 4 {
-                Ok(s.expand_dims(0)?)
-            } else {
-                Ok(s.clone())
-            }
-        })
-        .collect::<Result<_>>()?;
     let starts_t = ops::concatenate(&starts, 0)?.transpose_axes(&[1, 2, 0, 3, 4])?; // [B,H,N,Dk,Dv]
     let v_new = ops::concatenate(&corrected, 0)?.transpose_axes(&[1, 2, 0, 3, 4])?; // [B,H,N,C,Dv]
     let y = ops::add(

@@ -3,6 +3,9 @@
 //! chunk, states taken from earlier calls, grouped key heads, boundary
 //! states, and keys so alike that a power-series inverse would overflow.
 
+mod common;
+
+use common::max_rel;
 use mlex_kernels::gated_delta::{self, Method, Sequence};
 use mlex_kernels::Dispatch;
 use mlx_rs::{ops, random, Array};
@@ -70,15 +73,6 @@ fn tol() -> f32 {
         mlex_core::device::Backend::Cpu => 1e-4,
         _ => 1e-3,
     }
-}
-
-fn max_rel(a: &Array, b: &Array) -> f32 {
-    let d = ops::abs(ops::subtract(a, b).unwrap())
-        .unwrap()
-        .max(None)
-        .unwrap();
-    let m = ops::abs(b).unwrap().max(None).unwrap();
-    d.item_exact::<f32>() / m.item_exact::<f32>().max(1.0)
 }
 
 fn check(len: i32, chunk: usize, hk: i32, h: i32, with_state: bool) {

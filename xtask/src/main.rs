@@ -2,7 +2,10 @@
 //! no tools but cargo (and, for the reference fixtures, the system Python).
 //!
 //! - `setup`: system packages, the pinned MLX wheel, the mlx-c source.
-//! - `test`: setup, format and lint checks, reference fixtures, the test suite.
+//! - `test`: setup, format and lint checks, reference fixtures, the test
+//!   suite, and `blas-kernels`.
+//! - `blas-kernels`: the fixtures' self-checks and the parity tests under
+//!   OpenBLAS kernels other than this CPU's (as on another CPU).
 //! - `demo [PROMPT]`: generation on the bundled default model.
 //! - `fixtures`: random-weight checkpoints and reference outputs from mlx-lm.
 //! - `bench-compare`: `mlex bench` and mlx-lm side by side, one process each.
@@ -13,6 +16,7 @@
 mod assets;
 mod bench;
 mod bench_vs;
+mod blas_kernels;
 mod bundle;
 mod download;
 mod fixtures;
@@ -29,7 +33,10 @@ usage: cargo xtask <command>
 
 commands:
   setup          install what building mlex needs (idempotent; offline once done)
-  test           setup, cargo fmt --check, clippy -D warnings, fixtures, the whole test suite
+  test           setup, cargo fmt --check, clippy -D warnings, fixtures, the whole test suite,
+                 then blas-kernels
+  blas-kernels   the fixture script and the parity tests again under OpenBLAS kernels this CPU
+                 runs but did not pick (OPENBLAS_CORETYPE), as on another CPU
   fixtures       make the parity fixtures with mlx-lm (and the NumPy DharaAR reference)
   demo [PROMPT]  answer PROMPT with the bundled default model (SmolLM2-135M-Instruct)
   codegen        regenerate docs/architectures.md from the registry (a test checks it is fresh)
@@ -67,6 +74,7 @@ fn run() -> Result<()> {
         "cuda-bundle" => bundle::cuda_bundle(rest).map(|_| ()),
         "plot" => plot::plot(rest),
         "fixtures" => fixtures::fixtures().map(|p| eprintln!("xtask: fixtures in {}", p.display())),
+        "blas-kernels" => blas_kernels::blas_kernels(),
         "demo" => demo(rest),
         "codegen" => codegen(),
         "help" | "--help" | "-h" => {
@@ -115,6 +123,7 @@ fn test(_args: &[String]) -> Result<()> {
     ])?;
     fixtures::fixtures()?;
     cargo(&["test", "--workspace"])?;
+    blas_kernels::blas_kernels()?;
     Ok(())
 }
 

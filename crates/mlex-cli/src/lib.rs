@@ -31,10 +31,20 @@ pub fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Before any thread starts: SIGINT and SIGTERM are taken in every
+    // phase from here on (see `interrupt`).
+    interrupt::install();
     let cli = args::Cli::parse();
     let result = commands::run(cli);
     if let Err(e) = &result {
-        eprintln!("error: {}", for_the_command_line(e));
+        if interrupt::requested() {
+            // A terminal's Ctrl-C also reaches the compiler MLX's CPU
+            // backend runs (same process group), and the failed kernel
+            // build comes back as an error: the user asked to stop.
+            eprintln!("interrupted ({})", for_the_command_line(e));
+        } else {
+            eprintln!("error: {}", for_the_command_line(e));
+        }
     }
     match result {
         _ if interrupt::requested() => ExitCode::from(130),

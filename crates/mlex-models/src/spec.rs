@@ -54,9 +54,15 @@ pub struct ArchSpec {
     #[serde(default)]
     pub reference: Option<String>,
     /// Another spec this one starts from (`base` in older files); its
-    /// tables are merged under this file's.
+    /// tables are merged under this file's (see [`merge_over_base`]).
     #[serde(default, alias = "base")]
     pub extends: Option<String>,
+    /// With `extends`: dotted paths of the base's entries that this file
+    /// replaces instead of merging into (`["sanitize"]` drops the base's
+    /// sanitize steps for this file's; `["kinds.attention"]` starts the
+    /// kind's options afresh).
+    #[serde(default)]
+    pub replace: Vec<String>,
     /// More `model_type`s served by the same spec, with their summaries.
     #[serde(default)]
     pub also: Vec<AlsoServes>,
@@ -402,16 +408,114 @@ fn spec_error(at: &str, key: &str, message: impl Into<String>) -> Error {
     }
 }
 
-/// Deep-merges `over` into `base` (tables merge, everything else replaces).
-fn merge_tables(base: &mut toml::Table, over: toml::Table) {
+/// Deep-merges `over` into `base`: tables merge key by key, arrays of
+/// tables (`[[sanitize]]`, `[[layers.where]]`) append to the base's, every
+/// other value replaces; an entry whose dotted path is in `replace`
+/// replaces the base's whole.
+fn merge_tables(base: &mut toml::Table, over: toml::Table, path: &str, replace: &[String]) {
+    let is_table_array = |v: &toml::Value| matches!(v, toml::Value::Array(a) if !a.is_empty() && a.iter().all(toml::Value::is_table));
     for (k, v) in over {
+        let full = if path.is_empty() {
+            k.clone()
+        } else {
+            format!("{path}.{k}")
+        };
+        if replace.contains(&full) {
+            base.insert(k, v);
+            continue;
+        }
         match (base.get_mut(&k), v) {
-            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge_tables(b, o),
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => {
+                merge_tables(b, o, &full, replace)
+            }
+            (Some(toml::Value::Array(b)), toml::Value::Array(o))
+                if is_table_array(&toml::Value::Array(b.clone()))
+                    && is_table_array(&toml::Value::Array(o.clone())) =>
+            {
+                b.extend(o)
+            }
             (_, v) => {
                 base.insert(k, v);
             }
         }
     }
+}
+
+/// A dotted path into a table.
+fn table_get<'t>(t: &'t toml::Table, path: &str) -> Option<&'t toml::Value> {
+    let mut parts = path.split('.');
+    let mut v = t.get(parts.next()?)?;
+    for p in parts {
+        v = v.as_table()?.get(p)?;
+    }
+    Some(v)
+}
+
+/// The spec a file that `extends` a base describes, as one table: the
+/// base's table with the file's merged over it ([`merge_tables`]). The file
+/// serves its own `model_type` only (the base's `also` and `summary` are
+/// not inherited), and a layer rule (`pattern`, `interval`, `codes`) in the
+/// file replaces the base's rule rather than merging with it.
+fn merge_over_base(
+    base: &toml::Table,
+    own: &toml::Table,
+    base_name: &str,
+    at: &dyn Fn(&str) -> String,
+) -> Result<toml::Table> {
+    let mut merged = base.clone();
+    let mut over = own.clone();
+    over.remove("extends");
+    over.remove("base");
+    let replace: Vec<String> = match over.remove("replace") {
+        None => Vec::new(),
+        Some(toml::Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str().map(str::to_owned).ok_or_else(|| {
+                    spec_error(&at("replace"), "replace", "expected a list of dotted paths")
+                })
+            })
+            .collect::<Result<_>>()?,
+        Some(_) => {
+            return Err(spec_error(
+                &at("replace"),
+                "replace",
+                "expected a list of dotted paths",
+            ))
+        }
+    };
+    for p in &replace {
+        if table_get(base, p).is_none() {
+            return Err(spec_error(
+                &at(p),
+                "replace",
+                format!("names `{p}`, which the base spec `{base_name}` does not have"),
+            ));
+        }
+    }
+    // The older names of fields, so that they merge with the base's.
+    for (old, new) in [("name", "model_type"), ("options", "kinds")] {
+        if let Some(v) = over.remove(old) {
+            over.insert(new.to_owned(), v);
+        }
+    }
+    merged.remove("also");
+    merged.remove("summary");
+    merged.remove("replace");
+    if let Some(toml::Value::Table(l)) = over.get("layers") {
+        if let Some(toml::Value::Table(bl)) = merged.get_mut("layers") {
+            if ["pattern", "interval", "codes"]
+                .iter()
+                .any(|k| l.contains_key(*k))
+            {
+                bl.remove("pattern");
+                bl.remove("interval");
+                bl.remove("codes");
+            }
+        }
+    }
+    merge_tables(&mut merged, over, "", &replace);
+    Ok(merged)
 }
 
 /// The built-in spec files, embedded at build time.
@@ -467,64 +571,61 @@ impl SpecArchitecture {
             spec_error(&at, "architecture spec", e.message())
         };
         let table: toml::Table = toml::from_str(text).map_err(syntax)?;
-        // Typed from the text too, so that its errors are located in it.
-        let own: ArchSpec = toml::from_str(text).map_err(syntax)?;
-        let (spec, table) = match &own.extends {
-            None => (own, table),
+        let at = |needle: &str| {
+            text.find(needle)
+                .map(|o| location(file, text, o))
+                .unwrap_or_else(|| file.display().to_string())
+        };
+        let extends = match table.get("extends").or_else(|| table.get("base")) {
+            None => None,
+            Some(toml::Value::String(b)) => Some(b.clone()),
+            Some(_) => {
+                return Err(spec_error(
+                    &at("extends"),
+                    "extends",
+                    "expected the model_type of another spec",
+                ))
+            }
+        };
+        let (spec, table) = match extends {
+            // Typed from the text, so that its errors are located in it.
+            None => (toml::from_str::<ArchSpec>(text).map_err(syntax)?, table),
+            // The file alone may be partial (a [model] with one field, no
+            // [layers]): only the merged table must be a whole spec.
             Some(base_name) => {
-                let at = text
-                    .find(&format!("\"{base_name}\""))
-                    .map(|o| location(file, text, o))
-                    .unwrap_or_else(|| file.display().to_string());
                 let base = registry
-                    .architecture(base_name)
+                    .architecture(&base_name)
                     .ok()
                     .and_then(|a| a.spec_table().cloned())
                     .ok_or_else(|| Error::UnknownArchitecture {
                         model_type: base_name.clone(),
-                        file: Some(PathBuf::from(&at)),
+                        file: Some(PathBuf::from(at(&format!("\"{base_name}\"")))),
                         known: registry.architecture_names(),
                     })?;
-                let mut merged = base.clone();
-                let mut over = table.clone();
-                over.remove("extends");
-                over.remove("base");
-                // The older names of fields, so that they merge with the
-                // base's.
-                for (old, new) in [("name", "model_type"), ("options", "kinds")] {
-                    if let Some(v) = over.remove(old) {
-                        over.insert(new.to_owned(), v);
-                    }
-                }
-                // A derived spec serves its own model_type only; its layer
-                // pattern replaces the base's (not merged rule by rule).
-                merged.remove("also");
-                if let Some(toml::Value::Table(l)) = over.get("layers") {
-                    if let Some(toml::Value::Table(bl)) = merged.get_mut("layers") {
-                        if ["pattern", "interval", "codes"]
-                            .iter()
-                            .any(|k| l.contains_key(*k))
-                        {
-                            bl.remove("pattern");
-                            bl.remove("interval");
-                            bl.remove("codes");
-                        }
-                    }
-                }
-                merged.remove("summary");
-                merge_tables(&mut merged, over);
+                let merged = merge_over_base(&base, &table, &base_name, &at)?;
                 let mut s =
                     ArchSpec::deserialize(toml::Value::Table(merged.clone())).map_err(|e| {
-                        spec_error(
-                            &file.display().to_string(),
-                            "architecture spec",
-                            e.to_string(),
-                        )
+                        let message = e.to_string();
+                        // Point at the field serde names, when the file has it.
+                        let field = message.split('`').nth(1).unwrap_or("");
+                        let place = if field.is_empty() {
+                            file.display().to_string()
+                        } else {
+                            at(field)
+                        };
+                        spec_error(&place, "architecture spec", message)
                     })?;
-                s.extends = Some(base_name.clone());
+                s.extends = Some(base_name);
                 (s, merged)
             }
         };
+        if spec.extends.is_none() && !spec.replace.is_empty() {
+            return Err(spec_error(
+                &at("replace"),
+                "replace",
+                "only a spec that `extends` another can replace its entries",
+            ));
+        }
         check(&spec, text, file, registry)?;
         let summary = spec.summary.clone().unwrap_or_else(|| {
             format!(
@@ -755,11 +856,14 @@ fn to_json(v: &toml::Value) -> Value {
 struct Resolved<'a> {
     config: &'a ModelConfig,
     values: BTreeMap<String, Option<Value>>,
+    /// The config key each parameter was read from (or would have been).
+    keys: BTreeMap<String, String>,
 }
 
 impl<'a> Resolved<'a> {
     fn new(spec: &ArchSpec, config: &'a ModelConfig) -> Result<Self> {
         let mut values = BTreeMap::new();
+        let mut read_from = BTreeMap::new();
         let cv = config.value();
         for (name, p) in &spec.params {
             let (keys, ty, default, optional, map) = match p {
@@ -830,6 +934,7 @@ impl<'a> Resolved<'a> {
                 }
             };
             values.insert(name.clone(), value);
+            read_from.insert(name.clone(), key);
         }
         // Gates last: a gated parameter is absent when its gate is false.
         for (name, p) in &spec.params {
@@ -852,7 +957,11 @@ impl<'a> Resolved<'a> {
                 }
             }
         }
-        Ok(Self { config, values })
+        Ok(Self {
+            config,
+            values,
+            keys: read_from,
+        })
     }
 
     /// The value of `"$name"`, or a literal.
@@ -894,6 +1003,32 @@ impl<'a> Resolved<'a> {
         })
     }
 
+    /// The config key behind `v` (a `"$param"`), else the spec's `what`.
+    fn key_of(&self, v: &toml::Value, what: &str) -> String {
+        match v {
+            toml::Value::String(s) if s.starts_with('$') => self
+                .keys
+                .get(&s[1..])
+                .cloned()
+                .unwrap_or_else(|| what.to_owned()),
+            _ => what.to_owned(),
+        }
+    }
+
+    /// An integer of at least `min` (a layer count, an interval, an expert
+    /// count), the error naming the config key it came from.
+    fn at_least(&self, v: &toml::Value, what: &str, min: i64) -> Result<usize> {
+        let key = self.key_of(v, what);
+        let x = self.required(v, &key)?;
+        match x.as_i64() {
+            Some(n) if n >= min && n <= i64::from(i32::MAX) => Ok(n as usize),
+            _ => Err(self.config.error(
+                &key,
+                format!("must be an integer from {min} to {}, got {x}", i32::MAX),
+            )),
+        }
+    }
+
     fn float(&self, v: &toml::Value, what: &str) -> Result<f64> {
         let x = self.required(v, what)?;
         x.as_f64().ok_or_else(|| {
@@ -905,10 +1040,6 @@ impl<'a> Resolved<'a> {
     fn flag(&self, v: &toml::Value) -> bool {
         self.value(v).and_then(|x| x.as_bool()).unwrap_or(false)
     }
-}
-
-fn kind_count(v: &Value) -> usize {
-    v.as_i64().unwrap_or(0).max(0) as usize
 }
 
 impl SpecArchitecture {
@@ -943,13 +1074,13 @@ impl SpecArchitecture {
                     "the spec's [layers] needs `count` for this rule",
                 )
             })?;
-            Ok(r.int(c, "num_hidden_layers")?.max(0) as usize)
+            r.at_least(c, "layers.count", 1)
         };
         if let Some(p) = &l.pattern {
             return Ok((0..count(r)?).map(|i| p[i % p.len()].clone()).collect());
         }
         if let Some(iv) = &l.interval {
-            let every = r.int(&iv.every, "layers.interval.every")?.max(1) as usize;
+            let every = r.at_least(&iv.every, "layers.interval.every", 1)?;
             return Ok((0..count(r)?)
                 .map(|i| {
                     if (i + 1) % every == 0 {
@@ -976,13 +1107,9 @@ impl SpecArchitecture {
             _ => return Err(config.error(&key, "expected a string or a list")),
         };
         // A layer count the config states must agree with the pattern.
-        if let Some(n) = l
-            .count
-            .as_ref()
-            .and_then(|c| r.value(c))
-            .and_then(|v| v.as_i64())
-        {
-            if n != codes.len() as i64 {
+        if let Some(c) = l.count.as_ref().filter(|c| r.value(c).is_some()) {
+            let n = r.at_least(c, "layers.count", 1)?;
+            if n != codes.len() {
                 return Err(config.error(
                     &key,
                     format!(
@@ -1050,10 +1177,15 @@ impl Architecture for SpecArchitecture {
         let l = &self.spec.layers;
         let moe_layers: Option<Vec<bool>> = match &l.mlp {
             Some(MlpRule::Moe(rule)) => {
-                let experts = r.value(&rule.experts).map(|v| kind_count(&v)).unwrap_or(0);
+                let experts = match r.value(&rule.experts) {
+                    Some(_) => r.at_least(&rule.experts, "layers.mlp.experts", 0)?,
+                    None => 0,
+                };
                 let step = match &rule.sparse_step {
-                    Some(v) => r.value(v).and_then(|x| x.as_i64()).unwrap_or(1).max(1),
-                    None => 1,
+                    Some(v) if r.value(v).is_some() => {
+                        r.at_least(v, "layers.mlp.sparse_step", 1)? as i64
+                    }
+                    _ => 1,
                 };
                 let dense: Vec<i64> = rule
                     .dense_layers
@@ -1168,15 +1300,9 @@ impl Architecture for SpecArchitecture {
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {
         let text = self.lifted(config)?;
         let r = Resolved::new(&self.spec, &text)?;
-        let layer_count = self
-            .spec
-            .layers
-            .count
-            .as_ref()
-            .and_then(|c| r.value(c))
-            .map(|v| kind_count(&v))
-            .or_else(|| self.kinds_of_layers(&r).ok().map(|k| k.len()))
-            .unwrap_or(0);
+        // The layer stack as the plan will see it: a bad count is named here
+        // already, not left to surface as unexpected tensors.
+        let layer_count = self.kinds_of_layers(&r)?.len();
         // Conditions see the checkpoint as read, before any step.
         let names = weights.names();
         let gates: Vec<bool> = self
@@ -1233,7 +1359,10 @@ impl Architecture for SpecArchitecture {
                 steps::norm_plus_one(weights, &v)?;
             }
             if let Some(se) = &s.stack_experts {
-                let experts = r.value(&se.experts).map(|v| kind_count(&v)).unwrap_or(0);
+                let experts = match r.value(&se.experts) {
+                    Some(_) => r.at_least(&se.experts, "sanitize.stack_experts.experts", 0)?,
+                    None => 0,
+                };
                 let names: Vec<(&str, &str)> = se
                     .names
                     .iter()

@@ -823,3 +823,225 @@ fn a_bad_norm_type_and_unsupported_stablelm_variants_are_named() {
         );
     }
 }
+
+/// The spec file that serves `model_type`: a built-in one, or one in the
+/// fixture's own spec folder.
+fn spec_text_for(f: &Fixture, model_type: &str) -> String {
+    let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("architectures")];
+    dirs.extend(f.arch_paths());
+    for d in dirs {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "toml") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                let t: toml::Table = toml::from_str(&text).unwrap();
+                let serves = t.get("model_type").and_then(|v| v.as_str()) == Some(model_type)
+                    || t.get("also").and_then(|a| a.as_array()).is_some_and(|a| {
+                        a.iter().any(|x| {
+                            x.get("model_type").and_then(|v| v.as_str()) == Some(model_type)
+                        })
+                    });
+                if serves {
+                    return text;
+                }
+            }
+        }
+    }
+    panic!("no spec serves {model_type}")
+}
+
+/// Every parameter a spec declares as a `count` (an integer from 1), with
+/// the config key it reads first.
+fn count_keys(spec: &str) -> Vec<String> {
+    let t: toml::Table = toml::from_str(spec).unwrap();
+    let mut keys = Vec::new();
+    for (name, p) in t
+        .get("params")
+        .and_then(|p| p.as_table())
+        .into_iter()
+        .flatten()
+    {
+        match p {
+            toml::Value::String(ty) if ty == "count" => keys.push(name.clone()),
+            toml::Value::Table(full)
+                if full.get("type").and_then(|v| v.as_str()) == Some("count") =>
+            {
+                let key = full
+                    .get("keys")
+                    .and_then(|k| k.as_array())
+                    .and_then(|k| k.first())
+                    .or_else(|| full.get("key"))
+                    .and_then(|k| k.as_str())
+                    .unwrap_or(name);
+                keys.push(key.to_owned());
+            }
+            _ => {}
+        }
+    }
+    keys
+}
+
+/// In every spec (the built-ins, DharaAR and a TOML-only hybrid), a count
+/// that must be positive given as 0 or -1 is an error naming `config.json`
+/// and the key; `num_hidden_layers = -1` used to surface as "unexpected
+/// tensors `model.layers.0...`".
+#[test]
+fn non_positive_counts_name_config_json_and_the_key_in_every_spec() {
+    let mut fixtures: Vec<Fixture> = Vec::new();
+    for f in mlex_testkit::fixtures() {
+        let plain = f.dtype == "float32" && f.quant.is_none() && f.layout == "mlx";
+        if plain && !fixtures.iter().any(|g| g.arch == f.arch) {
+            fixtures.push(f);
+        }
+    }
+    for want in [
+        "llama",
+        "qwen2",
+        "qwen3_5",
+        "nemotron_h",
+        "stablelm",
+        "dhara_ar",
+        "hybrid_mix",
+    ] {
+        assert!(
+            fixtures.iter().any(|f| f.arch == want),
+            "no float32 fixture of {want}"
+        );
+    }
+    let mut checked = 0;
+    for f in &fixtures {
+        let src = path_of(f);
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap())
+                .unwrap();
+        let spec = spec_text_for(f, &f.arch);
+        let nested = toml::from_str::<toml::Table>(&spec)
+            .unwrap()
+            .get("text_config")
+            .and_then(|v| v.as_str())
+            .filter(|k| config.get(*k).is_some())
+            .map(str::to_owned);
+        let keys = count_keys(&spec);
+        assert!(
+            keys.iter().any(|k| k == "num_hidden_layers") || f.arch == "nemotron_h",
+            "{}: num_hidden_layers is not a count",
+            f.arch
+        );
+        let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
+        for key in keys {
+            let holder = |v: &serde_json::Value| match &nested {
+                Some(n) => v[n.as_str()].clone(),
+                None => v.clone(),
+            };
+            if key.contains('.') || holder(&config).get(&key).is_none() {
+                continue;
+            }
+            for bad in [0i64, -1] {
+                let dir = copy_with_config(&src, |v| match &nested {
+                    Some(n) => v[n.as_str()][key.as_str()] = bad.into(),
+                    None => v[key.as_str()] = bad.into(),
+                });
+                let e = match mlex_models::load::load(dir.path().to_str().unwrap(), &registry) {
+                    Ok(_) => panic!("{}: {key} = {bad} loaded", f.name),
+                    Err(e) => e.to_string(),
+                };
+                assert!(
+                    e.contains("config.json") && e.contains(&key) && e.contains("from 1"),
+                    "{}: {key} = {bad}: {e}",
+                    f.name
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 40, "only {checked} cases");
+}
+
+/// A spec that `extends` another holds only what differs: a partial
+/// `[model]` and `[kinds.<kind>]` merge into the base's, its `[[sanitize]]`
+/// steps run after the base's (so the base's tie-dependent `lm_head` drop
+/// still happens), and `replace = [...]` replaces what it names instead.
+#[test]
+fn extends_merges_tables_and_appends_sanitize_steps() {
+    let f = fixture("qwen2-f32");
+    let r = reference(&f);
+    // The checkpoint under another prefix, with the tied head stored too
+    // (as many Hugging Face files of tied models have it).
+    let (_d, dir) = copy_fixture("qwen2-f32");
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).ok();
+    rewrite_weights(&dir, |t| {
+        let renamed: HashMap<String, Array> = t
+            .drain()
+            .map(|(k, v)| (k.replacen("model.", "transformer.", 1), v))
+            .collect();
+        *t = renamed;
+        let embed = t["transformer.embed_tokens.weight"].clone();
+        t.insert("lm_head.weight".into(), embed);
+    });
+    let cfg = dir.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["model_type"] = "qwen2_renamed".into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+
+    let specs = tempfile::tempdir().unwrap();
+    let spec = specs.path().join("qwen2_renamed.toml");
+    let logits_with = |text: &str| -> Result<Vec<f32>, String> {
+        std::fs::write(&spec, text).unwrap();
+        let registry =
+            mlex_models::build_registry(std::slice::from_ref(&spec)).map_err(|e| e.to_string())?;
+        let loaded =
+            mlex_models::load::load(dir.to_str().unwrap(), &registry).map_err(|e| e.to_string())?;
+        let mut cache = loaded.model.make_cache(1).unwrap();
+        let out = loaded
+            .model
+            .forward(&tokens(&r.prompt), &mut cache)
+            .unwrap();
+        Ok(to_f32(&out))
+    };
+    let head = "model_type = \"qwen2_renamed\"\nextends = \"qwen2\"\n";
+    let rename = "[[sanitize]]\nrename_prefix = [\"transformer.\", \"model.\"]\n";
+
+    // One field of [model]; the base's lm_head drop, then this file's rename.
+    let got = logits_with(&format!("{head}[model]\nmax_context = 2048\n{rename}")).unwrap();
+    let (d, m) = max_diff(&got, &to_f32(&r.logits_full));
+    assert!(
+        d <= 1e-4 * m.max(1.0),
+        "extended spec differs from mlx-lm's qwen2 by {d}"
+    );
+
+    // A kind option changed, the rest of the kind's options kept.
+    let changed = logits_with(&format!(
+        "{head}{rename}[kinds.attention]\nrope_theta = 10.0\n"
+    ))
+    .unwrap();
+    let (d, _) = max_diff(&changed, &got);
+    assert!(d > 1e-3, "rope_theta in [kinds.attention] was not applied");
+
+    // `replace` drops the base's steps: the stored head is then unexpected.
+    let e = logits_with(&format!("{head}replace = [\"sanitize\"]\n{rename}")).unwrap_err();
+    assert!(e.contains("lm_head.weight"), "{e}");
+    // Without this file's rename nothing is found where the spec looks.
+    let e = logits_with(head).unwrap_err();
+    assert!(
+        e.contains("model.embed_tokens") || e.contains("transformer."),
+        "{e}"
+    );
+
+    // `replace` naming what the base lacks, or without `extends`.
+    let e = logits_with(&format!("{head}replace = [\"kinds.mamba2\"]\n")).unwrap_err();
+    assert!(
+        e.contains("qwen2_renamed.toml") && e.contains("kinds.mamba2") && e.contains("qwen2"),
+        "{e}"
+    );
+    let base = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("architectures/qwen2.toml"),
+    )
+    .unwrap()
+    .replace(
+        "model_type = \"qwen2\"",
+        "model_type = \"qwen2_renamed\"\nreplace = [\"sanitize\"]",
+    );
+    let e = logits_with(&base).unwrap_err();
+    assert!(e.contains("replace") && e.contains("extends"), "{e}");
+}

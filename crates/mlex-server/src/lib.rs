@@ -11,9 +11,10 @@
 //!   traces stay on one thread) and steps the batch (module `engine`).
 //! - A bounded queue answers 503 with `Retry-After` when full; a client
 //!   that disconnects stops its sequence within one decode step; with an API
-//!   key, a request without `Authorization: Bearer KEY` is a 401; SIGTERM
-//!   (or Ctrl-C) stops accepting, lets what is in flight finish (cancelled
-//!   after the shutdown timeout) and returns.
+//!   key, a request without `Authorization: Bearer KEY` is a 401; a
+//!   [`Shutdown`] request (the CLI makes one on SIGTERM or Ctrl-C) stops
+//!   accepting, lets what is in flight finish (cancelled after the shutdown
+//!   timeout) and returns.
 //!
 //! - Requests that share a prefix (a system prompt, earlier turns) restore
 //!   it from the prompt cache under `prompt_cache_bytes`, hybrids included
@@ -610,9 +611,41 @@ async fn not_found() -> Response {
     )
 }
 
+/// Stops a running [`serve`] from any thread (the process's signal
+/// thread): the server stops accepting, finishes the requests in flight
+/// (at most `ServeConfig::shutdown_timeout`) and returns.
+#[derive(Clone, Default)]
+pub struct Shutdown {
+    inner: Arc<ShutdownState>,
+}
+
+#[derive(Default)]
+struct ShutdownState {
+    notify: tokio::sync::Notify,
+    serving: std::sync::atomic::AtomicBool,
+}
+
+impl Shutdown {
+    /// Asks the server to drain and stop. Returns false when it is not
+    /// serving (still loading, or done): nothing will act on the request,
+    /// so the caller should end the process itself.
+    pub fn request(&self) -> bool {
+        if self.inner.serving.load(Ordering::SeqCst) {
+            self.inner.notify.notify_one();
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// Loads the model on the engine thread (with `load`), binds, and serves
-/// until SIGTERM or Ctrl-C; returns when in-flight requests are done.
-pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>) -> Result<()> {
+/// until `stop` is requested; returns when in-flight requests are done.
+pub fn serve(
+    cfg: ServeConfig,
+    load: Box<dyn FnOnce() -> Result<Loaded> + Send>,
+    stop: Shutdown,
+) -> Result<()> {
     let metrics = Arc::new(Metrics::default());
     let (jobs, rx) = mpsc::channel::<Msg>();
     let (ready_tx, ready_rx) = mpsc::channel::<Result<(usize, Option<usize>)>>();
@@ -671,8 +704,10 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
             .route("/metrics", get(metrics_text))
             .fallback(not_found)
             .with_state(state);
+        stop.inner.serving.store(true, Ordering::SeqCst);
+        let stopping = stop.clone();
         let shutdown = async move {
-            stop_signal().await;
+            stopping.inner.notify.notified().await;
             eprintln!(
                 "mlex serve: stopping; finishing requests in flight (at most {} s)",
                 timeout.as_secs()
@@ -688,10 +723,12 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
             let _ = tcp.set_nodelay(true);
         });
-        axum::serve(listener, app)
+        let served = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown)
             .await
-            .map_err(|e| Error::Other(format!("server: {e}")))
+            .map_err(|e| Error::Other(format!("server: {e}")));
+        stop.inner.serving.store(false, Ordering::SeqCst);
+        served
     });
     let _ = jobs.send(Msg::Drain);
     drop(jobs);
@@ -700,27 +737,4 @@ pub fn serve(cfg: ServeConfig, load: Box<dyn FnOnce() -> Result<Loaded> + Send>)
         .map_err(|_| Error::Other("the engine thread panicked".into()))?;
     served?;
     engine
-}
-
-/// SIGTERM or Ctrl-C.
-async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = match signal(SignalKind::terminate()) {
-            Ok(t) => t,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
 }

@@ -41,5 +41,10 @@ pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
             tokenizer,
         })
     });
-    mlex_server::serve(cfg, load)
+    let stop = mlex_server::Shutdown::default();
+    let on_signal = stop.clone();
+    crate::interrupt::serving(
+        move || on_signal.request(),
+        || mlex_server::serve(cfg, load, stop),
+    )
 }

@@ -86,3 +86,219 @@ fn every_library_crate_denies_missing_docs() {
     }
     assert!(checked >= 11, "only {checked} library crates found");
 }
+
+/// Every `.rs` file of the repository's own code (no build output).
+fn own_rust_files() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                if p.file_name().is_some_and(|n| n != "target") {
+                    walk(&p, out);
+                }
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    for dir in ["crates", "xtask", "examples", "fuzz"] {
+        walk(&root().join(dir), &mut files);
+    }
+    files.sort();
+    files
+}
+
+fn rel(p: &Path) -> String {
+    p.strip_prefix(root()).unwrap().display().to_string()
+}
+
+/// Longest file, in lines.
+const FILE_BUDGET: usize = 700;
+/// Longest function, in lines.
+const FN_BUDGET: usize = 120;
+
+/// Files over the budget, each with why; an entry that fits again must go.
+const LONG_FILES: &[(&str, &str)] = &[
+    (
+        "crates/mlex-models/src/spec.rs",
+        "the spec interpreter: to be split with the block/mixer redesign (issue 24)",
+    ),
+    (
+        "crates/mlex-models/src/gguf/hybrid.rs",
+        "GGUF name tables in Rust: to become data in the specs (issue 24)",
+    ),
+    (
+        "crates/mlex-models/src/layers/attention.rs",
+        "per-family switches: to become block options (issue 24)",
+    ),
+    (
+        "crates/mlex-server/src/lib.rs",
+        "handlers and request parsing in one file: to be split",
+    ),
+    ("crates/mlex-generate/src/batch.rs", "the batched engine"),
+    (
+        "crates/mlex-core/src/nn.rs",
+        "linear, fused linear, norms and quantization in one file: to be split",
+    ),
+    (
+        "crates/mlex-cli/tests/cli.rs",
+        "one end-to-end test per subcommand",
+    ),
+    (
+        "crates/mlex-models/tests/bad_input.rs",
+        "one test per kind of bad input",
+    ),
+];
+
+/// Functions over the budget (`file::name`), each with why.
+const LONG_FNS: &[(&str, &str)] = &[
+    ("crates/mlex-models/src/gguf/hybrid.rs::qwen", "GGUF as data (issue 24) replaces it"),
+    ("crates/mlex-models/src/gguf/hybrid.rs::nemotron", "GGUF as data (issue 24) replaces it"),
+    ("crates/mlex-models/src/gguf/mod.rs::load", "GGUF as data (issue 24) replaces it"),
+    ("crates/mlex-server/src/lib.rs::generate", "request validation, to be split"),
+    ("crates/mlex-models/src/layers/attention.rs::build", "per-family switches (issue 24)"),
+    ("crates/mlex-server/src/engine.rs::run", "one text stream for every front end (issue 24)"),
+    ("crates/mlex-cli/src/commands/batch.rs::run", "one text stream for every front end (issue 24)"),
+    ("crates/mlex-cli/src/commands/generate.rs::run", "one text stream for every front end (issue 24)"),
+    ("crates/mlex-cli/src/commands/inspect.rs::run", "the readable plan of issue 24 replaces it"),
+    ("crates/mlex-models/src/gguf_file.rs::read_tensor", "one match over the GGUF tensor types"),
+    ("crates/mlex-models/src/gguf_file.rs::read_header", "the header, field by field, with its checks"),
+    ("crates/mlex-kernels/src/gated_delta.rs::chunked", "the chunked WY form in one place, as the paper writes it"),
+    ("crates/mlex-models/src/spec.rs::plan", "the spec interpreter (issue 24)"),
+    ("crates/mlex-cli/tests/serve.rs::chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx", "one server process for every request shape"),
+];
+
+/// Every function (`fn` at the start of a line) with its length: from its
+/// `fn` line to the `}` at the same indentation.
+fn functions(text: &str) -> Vec<(String, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        let t = l.trim_start();
+        let indent = &l[..l.len() - t.len()];
+        let rest = [
+            "pub(crate) ",
+            "pub(super) ",
+            "pub ",
+            "const ",
+            "async ",
+            "unsafe ",
+            "extern \"C\" ",
+        ]
+        .iter()
+        .fold(t, |s, p| s.strip_prefix(p).unwrap_or(s));
+        let Some(sig) = rest.strip_prefix("fn ") else {
+            continue;
+        };
+        let name: String = sig
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        // A declaration without a body (in a trait) ends with `;` first.
+        let declared_only = lines[i..]
+            .iter()
+            .find(|x| x.contains('{') || x.trim_end().ends_with(';'))
+            .is_some_and(|x| !x.contains('{'));
+        if declared_only {
+            continue;
+        }
+        let close = format!("{indent}}}");
+        if let Some(end) = lines[i..].iter().position(|x| *x == close) {
+            out.push((name, end + 1));
+        }
+    }
+    out
+}
+
+/// No file over 700 lines and no function over 120 outside the short lists
+/// above, which say why; an entry that fits the budget again is removed.
+#[test]
+fn files_and_functions_stay_within_their_length_budgets() {
+    let mut over = Vec::new();
+    let mut long_files = Vec::new();
+    let mut long_fns = Vec::new();
+    for f in own_rust_files() {
+        let r = rel(&f);
+        let text = std::fs::read_to_string(&f).unwrap();
+        let n = text.lines().count();
+        if n > FILE_BUDGET {
+            long_files.push(r.clone());
+            if !LONG_FILES.iter().any(|(p, _)| *p == r) {
+                over.push(format!("{r}: {n} lines (budget {FILE_BUDGET})"));
+            }
+        }
+        for (name, len) in functions(&text) {
+            let key = format!("{r}::{name}");
+            if len > FN_BUDGET {
+                long_fns.push(key.clone());
+                if !LONG_FNS.iter().any(|(p, _)| *p == key) {
+                    over.push(format!("{key}: {len} lines (budget {FN_BUDGET})"));
+                }
+            }
+        }
+    }
+    for (p, _) in LONG_FILES {
+        if !long_files.iter().any(|f| f == p) {
+            over.push(format!("{p} fits the budget now: take it off LONG_FILES"));
+        }
+    }
+    for (p, _) in LONG_FNS {
+        if !long_fns.iter().any(|f| f == p) {
+            over.push(format!("{p} fits the budget now: take it off LONG_FNS"));
+        }
+    }
+    assert!(over.is_empty(), "{}", over.join("\n"));
+}
+
+/// Modules follow the file tree: no `#[path]` attribute.
+#[test]
+fn no_module_is_moved_with_a_path_attribute() {
+    let offences: Vec<String> = own_rust_files()
+        .iter()
+        .flat_map(|f| {
+            let text = std::fs::read_to_string(f).unwrap();
+            text.lines()
+                .enumerate()
+                .filter(|(_, l)| l.trim_start().starts_with("#[path"))
+                .map(|(i, l)| format!("{}:{}: {}", rel(f), i + 1, l.trim()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(offences.is_empty(), "{}", offences.join("\n"));
+}
+
+/// Every `MLEX_` environment variable the code reads is documented in the
+/// README or under docs/.
+#[test]
+fn every_mlex_variable_is_documented() {
+    let mut docs = std::fs::read_to_string(root().join("README.md")).unwrap();
+    for e in std::fs::read_dir(root().join("docs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "md") {
+            docs.push_str(&std::fs::read_to_string(p).unwrap());
+        }
+    }
+    let mut missing = std::collections::BTreeSet::new();
+    let mut seen = 0;
+    for f in own_rust_files() {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find("MLEX_") {
+            let name: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            rest = &rest[at + name.len()..];
+            if name.len() <= "MLEX_".len() {
+                continue;
+            }
+            seen += 1;
+            if !docs.contains(&name) {
+                missing.insert(format!("{name} (read in {})", rel(&f)));
+            }
+        }
+    }
+    assert!(seen > 5, "only {seen} MLEX_ names found");
+    assert!(missing.is_empty(), "undocumented: {missing:?}");
+}

@@ -104,7 +104,7 @@ fn list_shows_architectures_and_kinds_with_origins() {
     let toml = tempfile::NamedTempFile::with_suffix(".toml").unwrap();
     std::fs::write(
         toml.path(),
-        "name = \"mine\"\nbase = \"llama\"\n[layers]\npattern = [\"attention\"]\n",
+        "model_type = \"mine\"\nextends = \"llama\"\n[layers]\npattern = [\"attention\"]\n",
     )
     .unwrap();
     let out = mlex()

@@ -176,7 +176,7 @@ fn a_toml_defined_hybrid_batches_like_the_built_ins() {
     let toml = dir.path().join("batched_toml_hybrid.toml");
     std::fs::write(
         &toml,
-        "name = \"batched_toml_hybrid\"\nbase = \"qwen3_next\"\nsummary = \"test\"\n\n[layers]\npattern = [\"gated_delta\", \"gated_delta\", \"gated_delta\", \"attention\"]\n",
+        "model_type = \"batched_toml_hybrid\"\nextends = \"qwen3_next\"\nsummary = \"test\"\n\n[layers]\npattern = [\"gated_delta\", \"gated_delta\", \"gated_delta\", \"attention\"]\n",
     )
     .unwrap();
     let registry = mlex_models::build_registry(&[toml]).unwrap();

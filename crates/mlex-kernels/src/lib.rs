@@ -7,10 +7,6 @@
 //! - [`mamba2`]: the Mamba2 SSM decode step, plain and fused.
 //! - [`skinny`]: dense products of a few rows (batched decode), one weight
 //!   sweep for all rows.
-//! - [`qk_rope`]: an attention layer's q/k norms and rotary embedding for
-//!   a decode step, one CUDA kernel for four ops.
-//! - [`add_rms_norm`]: a residual add and the RMS norm after it, one CUDA
-//!   kernel for two ops.
 //! - [`cuda`]: the wrapper over MLX's custom CUDA kernels.
 //!
 //! [`Dispatch`] picks the implementation for the loaded MLX backend (CPU,
@@ -19,11 +15,9 @@
 
 #![deny(missing_docs)]
 
-pub mod add_rms_norm;
 pub mod cuda;
 pub mod gated_delta;
 pub mod mamba2;
-pub mod qk_rope;
 pub mod skinny;
 
 use gated_delta::Method;
@@ -48,17 +42,6 @@ pub struct Dispatch {
     /// Dense products whose row count is in this range run as
     /// [`skinny::matmul`] (CUDA only; `None`: MLX's matmul everywhere).
     pub skinny_rows: Option<(i32, i32)>,
-    /// Norms fused with their neighbours in short steps (CUDA only): an
-    /// attention layer's q/k norms and RoPE for a step of at most
-    /// [`Dispatch::QK_ROPE_MAX_TOKENS`] tokens a sequence as
-    /// [`qk_rope::apply`], and a residual add with the RMS norm after it
-    /// over at most [`add_rms_norm::MAX_ROWS`] rows as
-    /// [`add_rms_norm::apply`]: decode steps, and prompts that short.
-    /// Off by default: on the H200 they cut a Qwen3-0.6B-like decode token
-    /// from 453 to 341 kernels but did not make decode measurably faster
-    /// in two alternating rounds, and the GPU's busy time per token rose
-    /// (`docs/BENCHMARKS.md`); `MLEX_FUSED_NORMS=1` turns them on.
-    pub fused_norms: bool,
 }
 
 impl Dispatch {
@@ -80,20 +63,13 @@ impl Dispatch {
             gated_delta_min_len: 8,
             fused_decode: fused,
             skinny_rows: fused.then_some((2, 32)),
-            fused_norms: false,
         }
     }
-
-    /// The longest step whose q/k preparation runs fused: decode steps (a
-    /// prefill's is one pass over many rows, where the launches it saves do
-    /// not matter).
-    pub const QK_ROPE_MAX_TOKENS: i32 = 4;
 
     /// The process's dispatch: the loaded backend's defaults, with
     /// `MLEX_GATED_DELTA_CHUNK` (a power of two, or `0` for the token loop)
     /// overriding the chunk size, `MLEX_FUSED_DECODE=0` turning the fused
-    /// recurrent decode kernels off, `MLEX_FUSED_NORMS=1` the fused norms
-    /// on (CUDA), and `MLEX_SKINNY_ROWS` (`0`, or `LO-HI`) the row range of
+    /// recurrent decode kernels off, and `MLEX_SKINNY_ROWS` (`0`, or `LO-HI`) the row range of
     /// the few-row matmul, for measurements.
     pub fn current() -> &'static Dispatch {
         static CURRENT: OnceLock<Dispatch> = OnceLock::new();
@@ -116,12 +92,6 @@ impl Dispatch {
             }
             if std::env::var("MLEX_FUSED_DECODE").is_ok_and(|v| v == "0") {
                 d.fused_decode = false;
-            }
-            match std::env::var("MLEX_FUSED_NORMS").as_deref() {
-                Ok("1") => d.fused_norms = d.backend == Backend::Cuda,
-                Ok("0") => d.fused_norms = false,
-                Ok(v) => eprintln!("mlex: MLEX_FUSED_NORMS={v} is neither 0 nor 1; ignored"),
-                Err(_) => {}
             }
             if let Ok(v) = std::env::var("MLEX_SKINNY_ROWS") {
                 match parse_rows(&v) {

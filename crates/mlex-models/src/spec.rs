@@ -44,8 +44,7 @@ use crate::sanitize as steps;
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ArchSpec {
-    /// The `config.json` `model_type` it serves (`name` in older files).
-    #[serde(alias = "name")]
+    /// The `config.json` `model_type` it serves.
     pub model_type: String,
     /// One line for `mlex list`.
     #[serde(default)]
@@ -53,9 +52,9 @@ pub struct ArchSpec {
     /// Where the reference implementation is (paper, mlx-lm file).
     #[serde(default)]
     pub reference: Option<String>,
-    /// Another spec this one starts from (`base` in older files); its
-    /// tables are merged under this file's (see [`merge_over_base`]).
-    #[serde(default, alias = "base")]
+    /// Another spec this one starts from; its tables are merged under this
+    /// file's (see [`merge_over_base`]).
+    #[serde(default)]
     pub extends: Option<String>,
     /// With `extends`: dotted paths of the base's entries that this file
     /// replaces instead of merging into (`["sanitize"]` drops the base's
@@ -81,8 +80,8 @@ pub struct ArchSpec {
     pub model: Option<ModelSpec>,
     /// The layer stack.
     pub layers: LayersSpec,
-    /// Options per layer kind (`options` in older files).
-    #[serde(default, alias = "options")]
+    /// Options per layer kind.
+    #[serde(default)]
     pub kinds: BTreeMap<String, toml::Table>,
     /// Weight translation, in order.
     #[serde(default)]
@@ -465,7 +464,6 @@ fn merge_over_base(
     let mut merged = base.clone();
     let mut over = own.clone();
     over.remove("extends");
-    over.remove("base");
     let replace: Vec<String> = match over.remove("replace") {
         None => Vec::new(),
         Some(toml::Value::Array(a)) => a
@@ -491,12 +489,6 @@ fn merge_over_base(
                 "replace",
                 format!("names `{p}`, which the base spec `{base_name}` does not have"),
             ));
-        }
-    }
-    // The older names of fields, so that they merge with the base's.
-    for (old, new) in [("name", "model_type"), ("options", "kinds")] {
-        if let Some(v) = over.remove(old) {
-            over.insert(new.to_owned(), v);
         }
     }
     merged.remove("also");
@@ -576,7 +568,7 @@ impl SpecArchitecture {
                 .map(|o| location(file, text, o))
                 .unwrap_or_else(|| file.display().to_string())
         };
-        let extends = match table.get("extends").or_else(|| table.get("base")) {
+        let extends = match table.get("extends") {
             None => None,
             Some(toml::Value::String(b)) => Some(b.clone()),
             Some(_) => {

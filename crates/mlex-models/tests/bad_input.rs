@@ -389,7 +389,7 @@ fn malformed_toml_architectures_are_named() {
     let p = dir.path().join("mine.toml");
     std::fs::write(
         &p,
-        "name = \"x\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"gated_delta\",\n",
+        "model_type = \"x\"\nextends = \"qwen3_next\"\n[layers]\npattern = [\"gated_delta\",\n",
     )
     .unwrap();
     let e = mlex_models::build_registry(std::slice::from_ref(&p))
@@ -400,7 +400,7 @@ fn malformed_toml_architectures_are_named() {
     assert!(e.contains("mine.toml:5:1"), "{e}");
     std::fs::write(
         &p,
-        "name = \"x\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"warp_drive\"]\n",
+        "model_type = \"x\"\nextends = \"qwen3_next\"\n[layers]\npattern = [\"warp_drive\"]\n",
     )
     .unwrap();
     let e = mlex_models::build_registry(std::slice::from_ref(&p))
@@ -413,17 +413,17 @@ fn malformed_toml_architectures_are_named() {
     );
     std::fs::write(
         &p,
-        "name = \"x\"\nbase = \"nope\"\n[layers]\npattern = [\"attention\"]\n",
+        "model_type = \"x\"\nextends = \"nope\"\n[layers]\npattern = [\"attention\"]\n",
     )
     .unwrap();
     let e = mlex_models::build_registry(std::slice::from_ref(&p))
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("nope") && e.contains("mine.toml:2:8"), "{e}");
+    assert!(e.contains("nope") && e.contains("mine.toml:2:11"), "{e}");
     std::fs::write(
         &p,
-        "name = \"x\"\nbase = \"llama\"\ncolour = \"red\"\n[layers]\npattern = [\"attention\"]\n",
+        "model_type = \"x\"\nextends = \"llama\"\ncolour = \"red\"\n[layers]\npattern = [\"attention\"]\n",
     )
     .unwrap();
     let e = mlex_models::build_registry(std::slice::from_ref(&p))
@@ -434,7 +434,7 @@ fn malformed_toml_architectures_are_named() {
     // An empty pattern points at the empty list.
     std::fs::write(
         &p,
-        "name = \"x\"\nbase = \"llama\"\n[layers]\npattern = []\n",
+        "model_type = \"x\"\nextends = \"llama\"\n[layers]\npattern = []\n",
     )
     .unwrap();
     let e = mlex_models::build_registry(&[p]).err().unwrap().to_string();
@@ -458,7 +458,7 @@ fn a_toml_hybrid_runs_without_rust_code() {
     let toml = dir.join("my_hybrid.toml");
     std::fs::write(
         &toml,
-        "name = \"my_hybrid\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"gated_delta\", \"gated_delta\", \"gated_delta\", \"attention\"]\n",
+        "model_type = \"my_hybrid\"\nextends = \"qwen3_next\"\n[layers]\npattern = [\"gated_delta\", \"gated_delta\", \"gated_delta\", \"attention\"]\n",
     )
     .unwrap();
     let registry = mlex_models::build_registry(&[toml]).unwrap();
@@ -479,7 +479,7 @@ fn a_toml_hybrid_runs_without_rust_code() {
     let toml2 = dir.join("wrong.toml");
     std::fs::write(
         &toml2,
-        "name = \"my_hybrid\"\nbase = \"qwen3_next\"\n[layers]\npattern = [\"attention\"]\n",
+        "model_type = \"my_hybrid\"\nextends = \"qwen3_next\"\n[layers]\npattern = [\"attention\"]\n",
     )
     .unwrap();
     let registry = mlex_models::build_registry(&[toml2]).unwrap();
@@ -850,17 +850,28 @@ fn spec_text_for(f: &Fixture, model_type: &str) -> String {
     panic!("no spec serves {model_type}")
 }
 
-/// Every parameter a spec declares as a `count` (an integer from 1), with
-/// the config key it reads first.
-fn count_keys(spec: &str) -> Vec<String> {
+/// Every parameter a spec (with the ones of the spec it `extends`)
+/// declares as a `count` (an integer from 1), with the config key it reads
+/// first.
+fn count_keys(f: &Fixture, spec: &str) -> Vec<String> {
     let t: toml::Table = toml::from_str(spec).unwrap();
-    let mut keys = Vec::new();
-    for (name, p) in t
+    let mut params = match t.get("extends").and_then(|b| b.as_str()) {
+        Some(base) => toml::from_str::<toml::Table>(&spec_text_for(f, base)).unwrap()["params"]
+            .as_table()
+            .cloned()
+            .unwrap_or_default(),
+        None => toml::Table::new(),
+    };
+    for (k, v) in t
         .get("params")
         .and_then(|p| p.as_table())
         .into_iter()
         .flatten()
     {
+        params.insert(k.clone(), v.clone());
+    }
+    let mut keys = Vec::new();
+    for (name, p) in &params {
         match p {
             toml::Value::String(ty) if ty == "count" => keys.push(name.clone()),
             toml::Value::Table(full)
@@ -872,7 +883,7 @@ fn count_keys(spec: &str) -> Vec<String> {
                     .and_then(|k| k.first())
                     .or_else(|| full.get("key"))
                     .and_then(|k| k.as_str())
-                    .unwrap_or(name);
+                    .unwrap_or(name.as_str());
                 keys.push(key.to_owned());
             }
             _ => {}
@@ -921,7 +932,7 @@ fn non_positive_counts_name_config_json_and_the_key_in_every_spec() {
             .and_then(|v| v.as_str())
             .filter(|k| config.get(*k).is_some())
             .map(str::to_owned);
-        let keys = count_keys(&spec);
+        let keys = count_keys(f, &spec);
         assert!(
             keys.iter().any(|k| k == "num_hidden_layers") || f.arch == "nemotron_h",
             "{}: num_hidden_layers is not a count",

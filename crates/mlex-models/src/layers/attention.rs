@@ -22,8 +22,6 @@ use mlex_core::error::{Error, Result};
 use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
 use mlex_core::nn::{FusedLinear, Linear, Norm, NormKind, RmsNorm};
 use mlex_core::params::{ParamId, Params};
-use mlex_kernels::qk_rope::{self, QkNorms, Rotation};
-use mlex_kernels::Dispatch;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{fast, ops, Array, Dtype};
 use serde::Deserialize;
@@ -181,9 +179,6 @@ pub struct Attention {
     qk_norm: QkNorm,
     gated: bool,
     rope: Option<Rope>,
-    /// The rotation as the fused q/k kernel takes it, where that kernel
-    /// can run this layer's q/k preparation (see [`Attention::fused_qk`]).
-    rotation: Option<Rotation>,
     inv_freq: Option<ParamId>,
     post_norm: Option<Norm>,
     ffn: Option<Ffn>,
@@ -313,20 +308,6 @@ impl Attention {
         } else {
             None
         };
-        // The fused q/k kernel covers norms before RoPE (or none) and the
-        // rotations `Rope` computes; a checkpoint's own `inv_freq` tensor
-        // and norms after RoPE keep the ops.
-        let rotation = match (&rope, inv_freq, o.qk_norm) {
-            (Some(r), None, QkNorm::None | QkNorm::PreRope) => {
-                let rot = match &r.freqs {
-                    Some(f) => Rotation::from_periods(r.dims, r.traditional, f, 1.0),
-                    None => Rotation::from_base(r.dims, r.traditional, r.base, r.scale),
-                };
-                let eps = (o.qk_norm == QkNorm::PreRope).then_some(eps);
-                qk_rope::supported(head_dim, &rot, eps).then_some(rot)
-            }
-            _ => None,
-        };
         let (post_norm, ffn, intermediate) = match (&o.post_norm, o.mlp.as_str()) {
             (Some(n), kind) if kind != "none" => {
                 let spec = ffn_spec(ctx, "attention", hidden, kind, o.mlp_bias, &o.ffn_sizes)?;
@@ -395,7 +376,6 @@ impl Attention {
             qk_norm: o.qk_norm,
             gated: o.gated,
             rope,
-            rotation,
             inv_freq,
             post_norm,
             ffn,
@@ -430,28 +410,6 @@ impl Attention {
             w.push(("D", self.intermediate));
         }
         w
-    }
-
-    /// Whether a step of `tokens` tokens prepares q and k (their norms
-    /// before RoPE, and RoPE) in one fused CUDA kernel in `grow`, instead
-    /// of norms in `head` and two RoPEs in `grow`. `head` and `grow` ask
-    /// with the same token count and the same (un-normed) `q`, so they
-    /// agree. Norm weights of another dtype than `q` keep the ops, whose
-    /// `rms_norm` promotes where the kernel would not.
-    fn fused_qk(&self, p: &Params, q: &Array, tokens: i32) -> Result<bool> {
-        if self.rotation.is_none()
-            || tokens > Dispatch::QK_ROPE_MAX_TOKENS
-            || !Dispatch::current().fused_norms
-            || !matches!(q.dtype(), Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
-        {
-            return Ok(false);
-        }
-        for n in [&self.q_norm, &self.k_norm].into_iter().flatten() {
-            if p.get(n.weight)?.dtype() != q.dtype() {
-                return Ok(false);
-            }
-        }
-        Ok(true)
     }
 
     /// Whether `head` hands q and k on as views of the fused q/k/v product
@@ -624,7 +582,7 @@ impl Layer for Attention {
         let mut q = self.heads(&q, self.n_heads)?;
         let mut k = self.heads(&k, self.n_kv_heads)?;
         let v = self.heads(&v, self.n_kv_heads)?;
-        if self.qk_norm == QkNorm::PreRope && !self.fused_qk(p, &q, x.shape()[1])? {
+        if self.qk_norm == QkNorm::PreRope {
             q = self.q_norm.as_ref().expect("loaded").forward(p, &q)?;
             k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;
         }
@@ -648,24 +606,8 @@ impl Layer for Attention {
             Some(rows) => RopeAt::Rows(rows),
             None => RopeAt::Offset(kv.offset()),
         };
-        let (mut q, mut k) = match &self.rotation {
-            Some(rotation) if self.fused_qk(p, &q, q.shape()[2])? => {
-                let positions = match &at {
-                    RopeAt::Rows(rows) => rows.clone(),
-                    RopeAt::Offset(o) => Array::from_slice(&[*o as i32], &[1]),
-                };
-                let norms = match (&self.q_norm, &self.k_norm) {
-                    (Some(qn), Some(kn)) => Some(QkNorms {
-                        q: p.get(qn.weight)?,
-                        k: p.get(kn.weight)?,
-                        eps: qn.eps,
-                    }),
-                    _ => None,
-                };
-                qk_rope::apply(&q, &k, norms, &positions, rotation)?
-            }
-            _ => (self.apply_rope(p, &q, &at)?, self.apply_rope(p, &k, &at)?),
-        };
+        let mut q = self.apply_rope(p, &q, &at)?;
+        let mut k = self.apply_rope(p, &k, &at)?;
         if self.qk_norm == QkNorm::PostRope {
             q = self.q_norm.as_ref().expect("loaded").forward(p, &q)?;
             k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;

@@ -24,7 +24,6 @@ use mlex_core::error::Result;
 use mlex_core::layer::BuildCtx;
 use mlex_core::nn::Norm;
 use mlex_core::params::Params;
-use mlex_kernels::{add_rms_norm, Dispatch};
 use mlx_rs::{ops, Array};
 use serde::Deserialize;
 
@@ -158,24 +157,8 @@ pub fn default_eps() -> f64 {
 }
 
 /// `(x + y, norm(x + y))`: the residual add in the middle of a pre-norm
-/// block and the norm that reads it. An RMS norm over at most
-/// [`add_rms_norm::MAX_ROWS`] rows (decode steps, short prompts) runs fused
-/// with the add on CUDA when `MLEX_FUSED_NORMS=1` ([`add_rms_norm`]); the
-/// ops everywhere else.
+/// block and the norm that reads it.
 pub fn add_then_norm(p: &Params, norm: &Norm, x: &Array, y: &Array) -> Result<(Array, Array)> {
-    if let Norm::Rms(n) = norm {
-        if Dispatch::current().fused_norms
-            && x.shape() == y.shape()
-            && x.dtype() == y.dtype()
-            && add_rms_norm::supported(x, n.eps)
-        {
-            let w = p.get(n.weight)?;
-            // A weight of another dtype makes MLX's rms_norm promote.
-            if w.dtype() == x.dtype() {
-                return add_rms_norm::apply(x, y, w, n.eps);
-            }
-        }
-    }
     let h = ops::add(x, y)?;
     let m = norm.forward(p, &h)?;
     Ok((h, m))

@@ -11,7 +11,6 @@
 //! Every size in the header is checked against the file before any tensor
 //! is read, so a truncated or corrupt GGUF is an error naming it.
 
-#[path = "gguf_hybrid.rs"]
 mod hybrid;
 
 use crate::gguf_file::{self, MetaValue};

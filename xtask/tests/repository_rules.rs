@@ -160,7 +160,6 @@ const LONG_FNS: &[(&str, &str)] = &[
     ("crates/mlex-models/src/layers/attention.rs::build", "per-family switches (issue 24)"),
     ("crates/mlex-server/src/engine.rs::run", "one text stream for every front end (issue 24)"),
     ("crates/mlex-cli/src/commands/batch.rs::run", "one text stream for every front end (issue 24)"),
-    ("crates/mlex-cli/src/commands/generate.rs::run", "one text stream for every front end (issue 24)"),
     ("crates/mlex-cli/src/commands/inspect.rs::run", "the readable plan of issue 24 replaces it"),
     ("crates/mlex-models/src/gguf_file.rs::read_tensor", "one match over the GGUF tensor types"),
     ("crates/mlex-models/src/gguf_file.rs::read_header", "the header, field by field, with its checks"),

@@ -193,6 +193,17 @@ pub fn generate_options(
     })
 }
 
+/// The generator every command decodes with: `model` under the shared
+/// model options (compile policy, prefill step, checkpoint interval).
+pub fn generator(model: mlex_core::model::Model, m: &ModelArgs) -> mlex_generate::Generator {
+    let mut g = mlex_generate::Generator::with_policy(model, compile(m));
+    if let Some(n) = m.prefill_chunk {
+        g.prefill_chunk = n as usize;
+    }
+    g.checkpoint_every = m.checkpoint_every;
+    g
+}
+
 /// Shared model options → the compile policy (`None`: eager decode).
 pub fn compile(m: &ModelArgs) -> Option<mlex_compile::CompilePolicy> {
     match (m.no_compile, m.compile_recurrent) {

@@ -3,7 +3,9 @@
 //! Everything between a loaded model and text: [`tokenizer::Tokenizer`]
 //! (tokenizer.json or GGUF metadata), [`chat::ChatTemplate`] (Jinja via
 //! minijinja), [`sampler::Sampler`] (on-device sampling),
-//! [`detok::StreamingDetokenizer`] (UTF-8-safe streaming) and
+//! [`detok::StreamingDetokenizer`] (UTF-8-safe streaming),
+//! [`text_stream::TextStream`] (tokens to the text a front end shows: cut
+//! at stop strings, a possible stop held back), and
 //! [`generate::Generator`] (the pipelined decode loop with prompt-cache
 //! reuse and compiled segments) and [`batch::BatchGenerator`] (continuous
 //! batching: many sequences in one forward).
@@ -15,6 +17,7 @@ pub mod detok;
 pub mod generate;
 pub mod sampler;
 pub mod stop;
+pub mod text_stream;
 pub mod tokenizer;
 
 pub use batch::{BatchGenerator, BatchOutput, BatchStats, SeqId};
@@ -27,4 +30,5 @@ pub use generate::{
 pub use mlex_cache::PromptCache;
 pub use sampler::{Sampler, SamplerConfig};
 pub use stop::{cut_at_stop, shown_len};
+pub use text_stream::{Pushed, TextStream};
 pub use tokenizer::Tokenizer;

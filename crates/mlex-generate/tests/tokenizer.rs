@@ -177,3 +177,69 @@ fn a_sentencepiece_gguf_vocabulary_tokenizes_as_transformers_does() {
         );
     }
 }
+
+/// The one text stream of every front end: what it shows while tokens
+/// arrive is a prefix of the text, never part of a stop string, and never a
+/// split character; a stop string cuts the text where it starts, even when
+/// it spans tokens; at the end the held-back tail comes out, and after a
+/// cut nothing more does.
+#[test]
+fn the_text_stream_shows_safe_prefixes_and_cuts_at_stop_strings() {
+    use mlex_generate::{Finish, TextStream};
+    let tok = smollm2();
+    let text = "Grüße aus Köln! The answer is STOP here, naïve café.";
+    let ids = tok.encode(text, false).unwrap();
+    let want = &text[..text.find("STOP").unwrap()];
+
+    let mut s = TextStream::new(&tok, vec!["STOP".into(), String::new()]);
+    let mut shown = String::new();
+    let mut stopped_at = None;
+    for (i, &t) in ids.iter().enumerate() {
+        let p = s.push(t).unwrap();
+        assert!(
+            !p.text.contains('\u{FFFD}'),
+            "a split character: {:?}",
+            p.text
+        );
+        shown.push_str(&p.text);
+        assert!(want.starts_with(&shown), "showed {shown:?}");
+        if p.stop {
+            stopped_at = Some(i);
+            break;
+        }
+    }
+    let at = stopped_at.expect("the stop string ends the text");
+    assert!(at < ids.len() - 1, "it stopped before the last token");
+    shown.push_str(&s.finish(Finish::Stop).unwrap());
+    assert_eq!(shown, want);
+    assert_eq!(s.text(), want);
+    // Nothing after the cut, even if tokens keep coming.
+    let after = s.push(ids[at + 1]).unwrap();
+    assert!(after.stop && after.text.is_empty());
+
+    // Without a stop string everything comes out, in the same pieces a
+    // plain detokenizer gives, and the end adds nothing more.
+    let mut s = TextStream::new(&tok, Vec::new());
+    let mut all = String::new();
+    for &t in &ids {
+        let p = s.push(t).unwrap();
+        assert!(!p.stop);
+        all.push_str(&p.text);
+    }
+    all.push_str(&s.finish(Finish::Length).unwrap());
+    assert_eq!(all, text);
+
+    // A stop string that never comes: its possible start is held back until
+    // the end, then shown.
+    let mut s = TextStream::new(&tok, vec!["café!".into()]);
+    let mut shown = String::new();
+    for &t in &ids {
+        shown.push_str(&s.push(t).unwrap().text);
+    }
+    assert!(
+        text.starts_with(&shown) && shown.len() < text.len(),
+        "{shown:?}"
+    );
+    shown.push_str(&s.finish(Finish::Eos).unwrap());
+    assert_eq!(shown, text);
+}

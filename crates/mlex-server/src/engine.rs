@@ -6,8 +6,7 @@
 
 use crate::metrics::Metrics;
 use mlex_generate::{
-    cut_at_stop, shown_len, BatchGenerator, Finish, Flow, GenerateOptions, Generator, Message,
-    SeqId, StreamingDetokenizer, Tokenizer,
+    BatchGenerator, Finish, Flow, GenerateOptions, Generator, Message, SeqId, TextStream, Tokenizer,
 };
 use std::collections::BTreeMap;
 use std::sync::mpsc;
@@ -66,10 +65,7 @@ pub enum Msg {
 
 struct Running<'t> {
     events: UnboundedSender<Event>,
-    detok: StreamingDetokenizer<'t>,
-    text: String,
-    sent: usize,
-    stops: Vec<String>,
+    text: TextStream<'t>,
     /// The client went away; its generation was stopped for that.
     gone: bool,
 }
@@ -156,10 +152,7 @@ pub fn run(
                         id,
                         Running {
                             events: job.events,
-                            detok: StreamingDetokenizer::new(tok),
-                            text: String::new(),
-                            sent: 0,
-                            stops: job.stops,
+                            text: TextStream::new(tok, job.stops),
                             gone: false,
                         },
                     );
@@ -180,18 +173,14 @@ pub fn run(
             let Some(r) = running.get_mut(&id) else {
                 return Ok(Flow::Continue);
             };
-            r.text.push_str(&r.detok.push(t)?);
-            let (safe, flow) = match cut_at_stop(&r.text, &r.stops) {
-                Some(cut) => {
-                    r.text.truncate(cut);
-                    (cut, Flow::Stop)
-                }
-                None => (shown_len(&r.text, &r.stops), Flow::Continue),
+            let pushed = r.text.push(t)?;
+            let flow = if pushed.stop {
+                Flow::Stop
+            } else {
+                Flow::Continue
             };
-            if safe > r.sent {
-                let piece = r.text[r.sent..safe].to_owned();
-                r.sent = safe;
-                if r.events.send(Event::Text(piece)).is_err() {
+            if !pushed.text.is_empty() {
+                if r.events.send(Event::Text(pushed.text)).is_err() {
                     // The client is gone: free its slot.
                     metrics.cancelled.inc();
                     r.gone = true;
@@ -224,15 +213,11 @@ pub fn run(
             };
             match r {
                 Ok(out) => {
-                    if out.finish != Finish::Stop && out.finish != Finish::Cancelled {
-                        if let Ok(rest) = run.detok.finish() {
-                            run.text.push_str(&rest);
-                        }
-                    }
-                    if run.text.len() > run.sent {
-                        let _ = run
-                            .events
-                            .send(Event::Text(run.text[run.sent..].to_owned()));
+                    // A detokenizer error at the end loses the held bytes
+                    // only, as before.
+                    let rest = run.text.finish(out.finish).unwrap_or_default();
+                    if !rest.is_empty() {
+                        let _ = run.events.send(Event::Text(rest));
                     }
                     eprintln!(
                         "mlex serve: request {id}: {} prompt tokens ({} reused, {} computed), {} generated, {}",

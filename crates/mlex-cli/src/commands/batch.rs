@@ -2,12 +2,11 @@
 //! batched engine, one output line per prompt as it finishes.
 
 use crate::args::{Format, GenerateArgs};
-use crate::session::{compile, generate_options, load_with, tokenizer_for};
+use crate::session::{generate_options, load_with, tokenizer_for};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{
-    cut_at_stop, BatchGenerator, Finish, Flow, GenerateOptions, Generator, Message, SeqId,
-    StreamingDetokenizer, Tokenizer,
+    BatchGenerator, Finish, Flow, GenerateOptions, Message, SeqId, TextStream, Tokenizer,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -40,12 +39,10 @@ struct Request {
     stops: Vec<String>,
 }
 
-/// Text and stop-string state of one sequence in flight.
+/// The text of one sequence in flight (none without a tokenizer).
 struct Output<'t> {
     index: usize,
-    detok: Option<StreamingDetokenizer<'t>>,
-    text: String,
-    stops: Vec<String>,
+    text: Option<TextStream<'t>>,
 }
 
 fn line_error(file: &Path, index: usize, msg: impl std::fmt::Display) -> Error {
@@ -140,10 +137,7 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
     let mut base = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
     // Prefilled together (the staircase), not through the prompt cache.
     base.use_prompt_cache = false;
-    let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
-    if let Some(n) = a.model.prefill_chunk {
-        generator.prefill_chunk = n as usize;
-    }
+    let mut generator = crate::session::generator(loaded.model, &a.model);
     let mut stdout = std::io::stdout().lock();
     let json = a.format == Format::Json;
     let mut print = |index: usize, value: serde_json::Value, text: &str, finish: &str| {
@@ -167,9 +161,7 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
                     id,
                     Output {
                         index,
-                        detok: tokenizer.as_ref().map(StreamingDetokenizer::new),
-                        text: String::new(),
-                        stops: r.stops,
+                        text: tokenizer.as_ref().map(|t| TextStream::new(t, r.stops)),
                     },
                 );
             }
@@ -194,15 +186,14 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
                 let Some(o) = outputs.get_mut(&id) else {
                     return Ok(Flow::Continue);
                 };
-                let Some(d) = o.detok.as_mut() else {
+                let Some(ts) = o.text.as_mut() else {
                     return Ok(Flow::Continue);
                 };
-                o.text.push_str(&d.push(t)?);
-                if let Some(cut) = cut_at_stop(&o.text, &o.stops) {
-                    o.text.truncate(cut);
-                    return Ok(Flow::Stop);
-                }
-                Ok(Flow::Continue)
+                Ok(if ts.push(t)?.stop {
+                    Flow::Stop
+                } else {
+                    Flow::Continue
+                })
             };
             for (id, r) in engine.step(&mut on_token)? {
                 let Some(mut o) = outputs.remove(&id) else {
@@ -210,11 +201,13 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
                 };
                 match r {
                     Ok(g) => {
-                        if g.finish != Finish::Stop {
-                            if let Some(d) = o.detok.as_mut() {
-                                o.text.push_str(&d.finish()?);
+                        let text = match o.text.as_mut() {
+                            Some(ts) => {
+                                ts.finish(g.finish)?;
+                                ts.text().to_owned()
                             }
-                        }
+                            None => String::new(),
+                        };
                         let finish = if interrupted && g.finish == Finish::Cancelled {
                             "interrupted"
                         } else {
@@ -225,12 +218,12 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
                             json!({
                                 "index": o.index,
                                 "token_ids": g.tokens,
-                                "text": o.text,
+                                "text": text,
                                 "finish_reason": finish,
                                 "prompt_tokens": g.prompt_tokens,
                                 "generated_tokens": g.tokens.len(),
                             }),
-                            &o.text,
+                            &text,
                             finish,
                         );
                     }

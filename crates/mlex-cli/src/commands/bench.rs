@@ -1,7 +1,7 @@
 //! `mlex bench`: prefill and decode speed on random prompt ids.
 
 use crate::args::{BenchArgs, Format};
-use crate::session::{compile, load_with};
+use crate::session::load_with;
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{Flow, GenerateOptions, Generator, SamplerConfig};
@@ -35,11 +35,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     let loaded = load_with(&a.model, registry)?;
     let vocab = loaded.model.vocab_size() as usize;
     let arch = loaded.model.arch.clone();
-    let mut g = Generator::with_policy(loaded.model, compile(&a.model));
-    if let Some(n) = a.model.prefill_chunk {
-        g.prefill_chunk = n as usize;
-    }
-    g.checkpoint_every = a.model.checkpoint_every;
+    let mut g = crate::session::generator(loaded.model, &a.model);
     let prompt = prompt_ids(a.prompt_len, vocab);
     let opts = |n: usize| GenerateOptions {
         max_tokens: n,

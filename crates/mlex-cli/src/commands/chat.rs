@@ -3,10 +3,10 @@
 //! previous turn's state, so only the new tokens are prefilled.
 
 use crate::args::{ChatArgs, Format};
-use crate::session::{compile, generate_options, load_with, open_prompt_cache, tokenizer_for};
+use crate::session::{generate_options, load_with, open_prompt_cache, tokenizer_for};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
-use mlex_generate::{cut_at_stop, Flow, Generator, Message, StreamingDetokenizer};
+use mlex_generate::{Flow, Message, TextStream};
 use serde_json::json;
 use std::io::{BufRead, IsTerminal, Write};
 
@@ -16,11 +16,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
     let tokenizer = tokenizer_for(&loaded)?;
     let opts = generate_options(&a.sampling, Some(&tokenizer), vocab)?;
     let fingerprint = loaded.fingerprint.clone();
-    let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
-    if let Some(n) = a.model.prefill_chunk {
-        generator.prefill_chunk = n as usize;
-    }
-    generator.checkpoint_every = a.model.checkpoint_every;
+    let mut generator = crate::session::generator(loaded.model, &a.model);
     let cache_file = match &a.prompt_cache {
         Some(dir) => Some(open_prompt_cache(&mut generator, dir, &fingerprint)?),
         None => None,
@@ -64,25 +60,21 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
         }
         history.push(Message::new("user", line));
         let prompt = tokenizer.chat_ids(&history, true)?;
-        let mut detok = StreamingDetokenizer::new(&tokenizer);
-        let mut text = String::new();
-        let mut shown = 0;
-        let stops = a.sampling.stop.clone();
+        let mut text_stream = TextStream::new(&tokenizer, a.sampling.stop.clone());
         let mut on_token = |t: u32| -> Result<Flow> {
             if crate::interrupt::requested() {
                 return Ok(Flow::Stop);
             }
-            text.push_str(&detok.push(t)?);
-            if let Some(cut) = cut_at_stop(&text, &stops) {
-                text.truncate(cut);
-                return Ok(Flow::Stop);
-            }
-            if !json && stops.is_empty() {
-                let _ = out.write_all(&text.as_bytes()[shown..]);
+            let pushed = text_stream.push(t)?;
+            if !json && !pushed.text.is_empty() {
+                let _ = out.write_all(pushed.text.as_bytes());
                 let _ = out.flush();
-                shown = text.len();
             }
-            Ok(Flow::Continue)
+            Ok(if pushed.stop {
+                Flow::Stop
+            } else {
+                Flow::Continue
+            })
         };
         // Ctrl-C cuts this reply short and the chat goes on; at the prompt
         // it exits (see `interrupt`).
@@ -93,7 +85,8 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
             generator.prompt_cache.save(path, &fingerprint)?;
         }
         crate::interrupt::reset();
-        text.push_str(&detok.finish()?);
+        let rest = text_stream.finish(g.finish)?;
+        let text = text_stream.text().to_owned();
         turn += 1;
         if json {
             let obj = json!({
@@ -109,9 +102,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
             });
             writeln!(out, "{obj}").map_err(|e| Error::io("<stdout>", e))?;
         } else {
-            if text.len() > shown {
-                let _ = out.write_all(&text.as_bytes()[shown..]);
-            }
+            let _ = out.write_all(rest.as_bytes());
             writeln!(out).map_err(|e| Error::io("<stdout>", e))?;
             if interactive {
                 eprintln!(

@@ -1,10 +1,10 @@
 //! `mlex generate`.
 
 use crate::args::{Format, GenerateArgs};
-use crate::session::{compile, generate_options, load_with, open_prompt_cache, tokenizer_for};
+use crate::session::{generate_options, load_with, open_prompt_cache, tokenizer_for};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
-use mlex_generate::{cut_at_stop, shown_len, Flow, Generator, Message, StreamingDetokenizer};
+use mlex_generate::{Flow, Message, TextStream};
 use serde_json::json;
 use std::io::{Read, Write};
 
@@ -44,45 +44,33 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     };
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
     let loaded_fingerprint = loaded.fingerprint.clone();
-    let mut generator = Generator::with_policy(loaded.model, compile(&a.model));
-    if let Some(n) = a.model.prefill_chunk {
-        generator.prefill_chunk = n as usize;
-    }
-    generator.checkpoint_every = a.model.checkpoint_every;
+    let mut generator = crate::session::generator(loaded.model, &a.model);
     let cache_file = match &a.prompt_cache {
         Some(dir) => Some(open_prompt_cache(&mut generator, dir, &loaded_fingerprint)?),
         None => None,
     };
     let stream = a.format == Format::Text;
-    let stops = a.sampling.stop.clone();
-    let mut detok = tokenizer.as_ref().map(StreamingDetokenizer::new);
-    let mut text = String::new();
-    let mut shown = 0usize;
+    let mut text_stream = tokenizer
+        .as_ref()
+        .map(|t| TextStream::new(t, a.sampling.stop.clone()));
     let mut stdout = std::io::stdout().lock();
     let mut on_token = |t: u32| -> Result<Flow> {
         if crate::interrupt::requested() {
             return Ok(Flow::Stop);
         }
-        let Some(d) = detok.as_mut() else {
+        let Some(ts) = text_stream.as_mut() else {
             return Ok(Flow::Continue);
         };
-        text.push_str(&d.push(t)?);
-        if let Some(cut) = cut_at_stop(&text, &stops) {
-            text.truncate(cut);
-            if stream && cut > shown {
-                let _ = stdout.write_all(&text.as_bytes()[shown..]);
-            }
-            shown = text.len();
-            return Ok(Flow::Stop);
-        }
-        // Hold back what could still become a stop string.
-        let safe = shown_len(&text, &stops);
-        if stream && safe > shown {
-            let _ = stdout.write_all(&text.as_bytes()[shown..safe]);
+        let pushed = ts.push(t)?;
+        if stream && !pushed.text.is_empty() {
+            let _ = stdout.write_all(pushed.text.as_bytes());
             let _ = stdout.flush();
-            shown = safe;
         }
-        Ok(Flow::Continue)
+        Ok(if pushed.stop {
+            Flow::Stop
+        } else {
+            Flow::Continue
+        })
     };
     let (g, interrupted) =
         crate::interrupt::generating(|| generator.generate(&prompt, &opts, &mut on_token));
@@ -95,17 +83,18 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     } else {
         g.finish.as_str()
     };
-    if let Some(d) = detok.as_mut() {
-        if g.finish != mlex_generate::Finish::Stop {
-            text.push_str(&d.finish()?);
-        }
-    }
+    let rest = match text_stream.as_mut() {
+        Some(ts) => ts.finish(g.finish)?,
+        None => String::new(),
+    };
+    let text = text_stream
+        .as_ref()
+        .map(|ts| ts.text().to_owned())
+        .unwrap_or_default();
     if stream {
-        if text.len() > shown {
-            stdout
-                .write_all(&text.as_bytes()[shown..])
-                .map_err(|e| Error::io("<stdout>", e))?;
-        }
+        stdout
+            .write_all(rest.as_bytes())
+            .map_err(|e| Error::io("<stdout>", e))?;
         writeln!(stdout).map_err(|e| Error::io("<stdout>", e))?;
         eprintln!(
             "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | peak memory {:.3} GB | {}",

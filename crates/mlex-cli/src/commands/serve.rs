@@ -1,9 +1,8 @@
 //! `mlex serve`.
 
 use crate::args::ServeArgs;
-use crate::session::{compile, load_with, tokenizer_for};
+use crate::session::{load_with, tokenizer_for};
 use mlex_core::error::Result;
-use mlex_generate::Generator;
 use mlex_server::{Loaded, ServeConfig};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -31,11 +30,7 @@ pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
         let registry = mlex_models::build_registry(&arch_paths)?;
         let loaded = load_with(&model_args, &registry)?;
         let tokenizer = tokenizer_for(&loaded)?;
-        let mut generator = Generator::with_policy(loaded.model, compile(&model_args));
-        if let Some(n) = model_args.prefill_chunk {
-            generator.prefill_chunk = n as usize;
-        }
-        generator.checkpoint_every = model_args.checkpoint_every;
+        let generator = crate::session::generator(loaded.model, &model_args);
         Ok(Loaded {
             generator,
             tokenizer,

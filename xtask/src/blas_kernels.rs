@@ -123,7 +123,6 @@ pub fn blas_kernels() -> Result<()> {
         bail!("blas-kernels: no other OpenBLAS kernel is known for this CPU (picked: {native})");
     }
     let root = workspace_root();
-    let py = python::venv_python()?;
     let gguf = crate::assets::smollm2_gguf()?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     // The references the tests read were made on the native kernels.
@@ -140,15 +139,7 @@ pub fn blas_kernels() -> Result<()> {
         );
         let out = root.join(format!("target/fixtures-under-{k}"));
         let _ = std::fs::remove_dir_all(&out);
-        let status = python::reference_command(&py)
-            .arg(root.join("xtask/py/fixtures.py"))
-            .arg("--out")
-            .arg(&out)
-            .arg("--smollm2-gguf")
-            .arg(&gguf)
-            .env("OPENBLAS_CORETYPE", k)
-            .status()?;
-        if !status.success() {
+        if !fixtures::fixture_script(&out, &gguf, Some(k))?.success() {
             bail!("xtask/py/fixtures.py failed under OPENBLAS_CORETYPE={k} (it passed under {native})");
         }
         let _ = std::fs::remove_dir_all(&out);

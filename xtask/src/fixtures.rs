@@ -13,6 +13,26 @@ pub fn fixtures_dir() -> PathBuf {
     workspace_root().join("target/fixtures")
 }
 
+/// Runs `xtask/py/fixtures.py` into `out` on the reference venv, with
+/// OpenBLAS's kernels forced to `coretype` when given.
+pub fn fixture_script(
+    out: &std::path::Path,
+    gguf: &std::path::Path,
+    coretype: Option<&str>,
+) -> Result<std::process::ExitStatus> {
+    let py = python::venv_python()?;
+    let mut c = python::reference_command(&py);
+    c.arg(workspace_root().join("xtask/py/fixtures.py"))
+        .arg("--out")
+        .arg(out)
+        .arg("--smollm2-gguf")
+        .arg(gguf);
+    if let Some(k) = coretype {
+        c.env("OPENBLAS_CORETYPE", k);
+    }
+    Ok(c.status()?)
+}
+
 /// Makes the fixtures unless they are current; returns their folder.
 pub fn fixtures() -> Result<PathBuf> {
     let root = workspace_root();
@@ -54,14 +74,7 @@ pub fn fixtures() -> Result<PathBuf> {
         "xtask: making parity fixtures with mlx-lm into {}",
         out.display()
     );
-    let status = python::reference_command(&py)
-        .arg(py_dir.join("fixtures.py"))
-        .arg("--out")
-        .arg(&partial)
-        .arg("--smollm2-gguf")
-        .arg(&gguf)
-        .status()?;
-    if !status.success() {
+    if !fixture_script(&partial, &gguf, None)?.success() {
         bail!("xtask/py/fixtures.py failed");
     }
     let status = python::reference_command(&py)

@@ -32,6 +32,15 @@ fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     }
 }
 
+/// The child's status within `limit`; past it the child is killed and the
+/// test fails with `what`.
+fn ended_within(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
+    wait_within(child, limit).unwrap_or_else(|| {
+        let _ = child.kill();
+        panic!("{what}")
+    })
+}
+
 fn stderr_of(child: &mut Child) -> String {
     use std::io::Read;
     let mut s = String::new();
@@ -125,12 +134,14 @@ fn sigint_while_loading_exits_130() {
         let mut child = cmd.spawn().unwrap();
         let held = hub.wait_until_loading(&mut child);
         signal(&child, libc::SIGINT);
-        let status = wait_within(&mut child, Duration::from_secs(30));
+        let status = ended_within(
+            &mut child,
+            Duration::from_secs(30),
+            &format!(
+                "SIGINT while loading was ignored (SIGINT ignored at start: {ignored_at_start})"
+            ),
+        );
         drop(held);
-        let status = status.unwrap_or_else(|| {
-            let _ = child.kill();
-            panic!("SIGINT while loading was ignored (SIGINT ignored at start: {ignored_at_start})")
-        });
         let err = stderr_of(&mut child);
         assert_eq!(
             status.code(),
@@ -148,12 +159,12 @@ fn sigterm_while_serve_loads_exits_143() {
     let mut child = hub.command(&["serve", "--port", "0"]).spawn().unwrap();
     let held = hub.wait_until_loading(&mut child);
     signal(&child, libc::SIGTERM);
-    let status = wait_within(&mut child, Duration::from_secs(30));
+    let status = ended_within(
+        &mut child,
+        Duration::from_secs(30),
+        "SIGTERM while loading did not end `mlex serve`",
+    );
     drop(held);
-    let status = status.unwrap_or_else(|| {
-        let _ = child.kill();
-        panic!("SIGTERM while loading did not end `mlex serve`")
-    });
     let err = stderr_of(&mut child);
     assert_eq!(status.code(), Some(143), "{status:?}: {err}");
 }
@@ -261,10 +272,11 @@ fn sigint_during_the_run_time_compile_stops_cleanly() {
     gate.wait_until_compiling(&mut child);
     signal(&child, libc::SIGINT);
     gate.release();
-    let status = wait_within(&mut child, Duration::from_secs(120)).unwrap_or_else(|| {
-        let _ = child.kill();
-        panic!("SIGINT during the compile did not stop generation")
-    });
+    let status = ended_within(
+        &mut child,
+        Duration::from_secs(120),
+        "SIGINT during the compile did not stop generation",
+    );
     let err = stderr_of(&mut child);
     assert_eq!(status.code(), Some(130), "{status:?}: {err}");
     assert!(
@@ -281,10 +293,11 @@ fn sigint_during_the_run_time_compile_stops_cleanly() {
     // SAFETY: signalling the child's own process group.
     assert_eq!(unsafe { libc::kill(-(child.id() as i32), libc::SIGINT) }, 0);
     gate.release();
-    let status = wait_within(&mut child, Duration::from_secs(120)).unwrap_or_else(|| {
-        let _ = child.kill();
-        panic!("Ctrl-C during the compile did not stop generation")
-    });
+    let status = ended_within(
+        &mut child,
+        Duration::from_secs(120),
+        "Ctrl-C during the compile did not stop generation",
+    );
     let err = stderr_of(&mut child);
     assert_eq!(status.code(), Some(130), "{status:?}: {err}");
     assert!(

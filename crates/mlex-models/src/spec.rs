@@ -412,7 +412,7 @@ fn spec_error(at: &str, key: &str, message: impl Into<String>) -> Error {
 /// other value replaces; an entry whose dotted path is in `replace`
 /// replaces the base's whole.
 fn merge_tables(base: &mut toml::Table, over: toml::Table, path: &str, replace: &[String]) {
-    let is_table_array = |v: &toml::Value| matches!(v, toml::Value::Array(a) if !a.is_empty() && a.iter().all(toml::Value::is_table));
+    let of_tables = |a: &[toml::Value]| !a.is_empty() && a.iter().all(toml::Value::is_table);
     for (k, v) in over {
         let full = if path.is_empty() {
             k.clone()
@@ -428,8 +428,7 @@ fn merge_tables(base: &mut toml::Table, over: toml::Table, path: &str, replace: 
                 merge_tables(b, o, &full, replace)
             }
             (Some(toml::Value::Array(b)), toml::Value::Array(o))
-                if is_table_array(&toml::Value::Array(b.clone()))
-                    && is_table_array(&toml::Value::Array(o.clone())) =>
+                if of_tables(b) && of_tables(&o) =>
             {
                 b.extend(o)
             }

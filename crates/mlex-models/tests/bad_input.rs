@@ -1040,6 +1040,8 @@ fn extends_merges_tables_and_appends_sanitize_steps() {
     );
 
     // `replace` naming what the base lacks, or without `extends`.
+    let e = logits_with(&format!("{head}replace = \"sanitize\"\n")).unwrap_err();
+    assert!(e.contains("replace") && e.contains("list"), "{e}");
     let e = logits_with(&format!("{head}replace = [\"kinds.mamba2\"]\n")).unwrap_err();
     assert!(
         e.contains("qwen2_renamed.toml") && e.contains("kinds.mamba2") && e.contains("qwen2"),

@@ -297,6 +297,72 @@ def stablelm_config() -> dict:
     )
 
 
+def olmo2_config() -> dict:
+    """OLMo 2: post-norm blocks (norms on the attention and MLP outputs),
+    q/k RMS norms over the whole projection; an untied head."""
+    return dict(model_type="olmo2", **TINY, **COMMON, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def olmo3_config() -> dict:
+    """OLMo 3: OLMo 2's blocks, layers 0-2 sliding (window 8, shorter than
+    the prompt), layer 3 full."""
+    return dict(
+        model_type="olmo3",
+        **TINY,
+        **COMMON,
+        rope_theta=500000.0,
+        sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        tie_word_embeddings=False,
+    )
+
+
+def granite_config() -> dict:
+    """Granite 3: Llama blocks with embedding, attention and residual
+    multipliers and logits divided by a scale (none of them 1, so that
+    each shows; the 3.x checkpoints' own values, with a random tied head,
+    decode one token over and over)."""
+    return dict(
+        model_type="granite",
+        **TINY,
+        **COMMON,
+        rope_theta=10000.0,
+        attention_bias=False,
+        mlp_bias=False,
+        embedding_multiplier=2.0,
+        attention_multiplier=0.125,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
+        tie_word_embeddings=False,
+    )
+
+
+def smollm3_config() -> dict:
+    """SmolLM3: Llama blocks, layers 1 and 3 without RoPE."""
+    return dict(
+        model_type="smollm3",
+        **TINY,
+        **COMMON,
+        rope_theta=5000000.0,
+        no_rope_layers=[1, 0, 1, 0],
+        tie_word_embeddings=True,
+    )
+
+
+def phi3_config() -> dict:
+    """Phi-3: fused qkv_proj and gate_up_proj; head_dim from hidden/heads;
+    partial rotary 0.5 (as Phi-4-mini)."""
+    dims = {k: v for k, v in TINY.items() if k != "head_dim"}
+    return dict(
+        model_type="phi3",
+        **dims,
+        **COMMON,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        tie_word_embeddings=False,
+    )
+
+
 ARCH_CONFIGS: dict[str, Callable[[], dict]] = {
     "llama": llama_config,
     "qwen2": qwen2_config,
@@ -730,6 +796,12 @@ def mlx_specs() -> list[MlxSpec]:
             dtype="bfloat16",
             notes="bfloat16; mlx-lm computes StableLM's attention with float32 queries and keys",
         ),
+        MlxSpec("olmo2-f32", olmo2_config, "olmo2", notes="post-norm blocks, full-width q/k norms"),
+        MlxSpec("olmo3-f32", olmo3_config, "olmo3", notes="olmo2 blocks; layers 0-2 sliding window 8, layer 3 full"),
+        MlxSpec("granite-f32", granite_config, "granite", notes="embedding x2, attention scale 1/8, residual x0.5, logits / 4"),
+        MlxSpec("granite-bf16", granite_config, "granite", dtype="bfloat16", notes="bfloat16: the multipliers applied in the activations' dtype"),
+        MlxSpec("smollm3-f32", smollm3_config, "smollm3", notes="no RoPE on layers 1 and 3"),
+        MlxSpec("phi3-f32", phi3_config, "phi3", notes="fused qkv_proj / gate_up_proj, partial rotary 0.5"),
         MlxSpec(
             "qwen3_next-moe-f32",
             lambda: qwen3_next_config(moe=True),

@@ -122,15 +122,11 @@ const FN_BUDGET: usize = 120;
 const LONG_FILES: &[(&str, &str)] = &[
     (
         "crates/mlex-models/src/spec.rs",
-        "the spec interpreter: to be split with the block/mixer redesign (issue 24)",
+        "the spec interpreter: types, checks, plan and sanitize of one format",
     ),
     (
         "crates/mlex-models/src/gguf/hybrid.rs",
         "GGUF name tables in Rust: to become data in the specs (issue 24)",
-    ),
-    (
-        "crates/mlex-models/src/layers/attention.rs",
-        "per-family switches: to become block options (issue 24)",
     ),
     (
         "crates/mlex-server/src/lib.rs",
@@ -157,7 +153,7 @@ const LONG_FNS: &[(&str, &str)] = &[
     ("crates/mlex-models/src/gguf/hybrid.rs::nemotron", "GGUF as data (issue 24) replaces it"),
     ("crates/mlex-models/src/gguf/mod.rs::load", "GGUF as data (issue 24) replaces it"),
     ("crates/mlex-server/src/lib.rs::generate", "request validation, to be split"),
-    ("crates/mlex-models/src/layers/attention.rs::build", "per-family switches (issue 24)"),
+    ("crates/mlex-models/src/layers/attention.rs::build", "every attention variant's weights and checks in one place"),
     ("crates/mlex-server/src/engine.rs::run", "one text stream for every front end (issue 24)"),
     ("crates/mlex-cli/src/commands/batch.rs::run", "one text stream for every front end (issue 24)"),
     ("crates/mlex-cli/src/commands/inspect.rs::run", "the readable plan of issue 24 replaces it"),
@@ -300,4 +296,160 @@ fn every_mlex_variable_is_documented() {
     }
     assert!(seen > 5, "only {seen} MLEX_ names found");
     assert!(missing.is_empty(), "undocumented: {missing:?}");
+}
+
+/// Backend policy has one home: only `crates/mlex-core/src/dispatch.rs`
+/// reads `MLEX_` variables at run time. Build scripts, the test kit (where
+/// the fixtures are) and xtask are not the product's run time.
+#[test]
+fn only_the_dispatch_module_reads_mlex_variables() {
+    let home = "crates/mlex-core/src/dispatch.rs";
+    let exempt = |r: &str| {
+        r == home
+            || r.ends_with("build.rs")
+            || r.starts_with("crates/mlex-testkit/")
+            || r.starts_with("xtask/")
+            || r.contains("/tests/")
+    };
+    let mut readers = Vec::new();
+    let mut home_reads = 0;
+    for f in own_rust_files() {
+        let r = rel(&f);
+        let text = std::fs::read_to_string(&f).unwrap();
+        let reads = ["var(\"MLEX_", "var_os(\"MLEX_", "env!(\"MLEX_"]
+            .iter()
+            .map(|p| text.matches(p).count())
+            .sum::<usize>();
+        if r == home {
+            home_reads = reads;
+        } else if reads > 0 && !exempt(&r) {
+            readers.push(r);
+        }
+    }
+    // The rule sees the reads it is about.
+    assert!(home_reads >= 4, "{home} reads {home_reads} MLEX_ variables");
+    assert!(
+        readers.is_empty(),
+        "MLEX_ variables read outside {home}: {readers:?}"
+    );
+}
+
+/// How ARCHITECTURE.md's backticked spans are checked: a path (it has a `/`
+/// or ends like a source file) must exist under the repository root; an
+/// identifier path must have its last segment in the code; anything else
+/// (commands, flags, TOML tables, values) is not checked.
+enum Named<'a> {
+    Path(&'a str),
+    Item(&'a str),
+    Unchecked,
+}
+
+fn named(span: &str) -> Named<'_> {
+    const SOURCE_ENDINGS: [&str; 7] = [".rs", ".toml", ".md", ".py", ".sh", ".cu", ".json"];
+    if span.is_empty() || span.chars().any(char::is_whitespace) {
+        return Named::Unchecked;
+    }
+    if span.contains('/') || SOURCE_ENDINGS.iter().any(|e| span.ends_with(e)) {
+        // Placeholders and globs (`fuzz/corpus/<target>/`) name no one file.
+        if span.contains(['*', '<', '{']) {
+            return Named::Unchecked;
+        }
+        let path = span.split([':', '#']).next().unwrap_or_default();
+        return Named::Path(path.trim_end_matches('/').trim_start_matches('/'));
+    }
+    // `a::b::C`, `f()`, `m!`: the last segment, without `!` and `()`.
+    let item = span.strip_suffix("()").unwrap_or(span);
+    let item = item.strip_suffix('!').unwrap_or(item);
+    let is_identifier = |s: &str| {
+        s.chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    match item.rsplit("::").next() {
+        Some(last) if item.split("::").all(is_identifier) => Named::Item(last),
+        _ => Named::Unchecked,
+    }
+}
+
+/// The single-backtick spans of `text` outside ``` fences, with their line
+/// numbers; a span may not cross a line.
+fn backticked_spans(text: &str, offences: &mut Vec<String>) -> Vec<(usize, String)> {
+    let mut spans = Vec::new();
+    let mut fenced = false;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        } else if fenced {
+            continue;
+        } else if line.matches('`').count() % 2 == 1 {
+            offences.push(format!("line {}: a backtick without its pair", i + 1));
+        } else {
+            let parts = line.split('`').skip(1).step_by(2);
+            spans.extend(parts.map(|s| (i + 1, s.to_owned())));
+        }
+    }
+    if fenced {
+        offences.push("a ``` fence is never closed".into());
+    }
+    spans
+}
+
+/// ARCHITECTURE.md is a short map that names only what exists: at most 250
+/// lines, every backticked path present in the repository, and every
+/// backticked identifier (its last `::` segment) a whole word of some `.rs`
+/// file under crates/, xtask/ or examples/.
+#[test]
+fn architecture_md_names_only_what_exists() {
+    let text = std::fs::read_to_string(root().join("ARCHITECTURE.md")).unwrap();
+    let mut offences = Vec::new();
+    let lines = text.lines().count();
+    if lines > 250 {
+        offences.push(format!(
+            "{lines} lines (at most 250: measurements go to docs/BENCHMARKS.md)"
+        ));
+    }
+    let mut files = Vec::new();
+    for dir in ["crates", "xtask", "examples"] {
+        rust_files(&root().join(dir), &mut files);
+    }
+    let code: String = files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let words: std::collections::HashSet<&str> = code
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .collect();
+    let (mut paths, mut items) = (0, 0);
+    for (line, span) in backticked_spans(&text, &mut offences) {
+        match named(&span) {
+            Named::Path(path) => {
+                paths += 1;
+                if !root().join(path).exists() {
+                    offences.push(format!("line {line}: `{span}`: there is no {path}"));
+                }
+            }
+            Named::Item(name) => {
+                items += 1;
+                if !words.contains(name) {
+                    offences.push(format!(
+                        "line {line}: `{span}`: no .rs file under crates/, xtask/ or examples/ has the word {name}"
+                    ));
+                }
+            }
+            Named::Unchecked => {}
+        }
+    }
+    // The rule sees what it is meant to see.
+    if items < 50 || paths < 10 {
+        offences.push(format!(
+            "only {items} identifiers and {paths} paths found in backticks"
+        ));
+    }
+    assert!(
+        offences.is_empty(),
+        "ARCHITECTURE.md:\n{}",
+        offences.join("\n")
+    );
 }

@@ -295,6 +295,10 @@ pub struct InspectArgs {
     /// A model directory, a .gguf file, or a Hugging Face repo id.
     #[arg(long, short)]
     pub model: String,
+    /// Print the resolved plan instead: every block with its norms, mixer,
+    /// feed-forward, options and weight names, as one readable text.
+    #[arg(long)]
+    pub spec: bool,
     /// Output format.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,

@@ -3,15 +3,26 @@
 
 use crate::args::{ModelArgs, SamplingArgs};
 use indicatif::{ProgressBar, ProgressStyle};
+use mlex_core::dispatch::Dispatch;
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{GenerateOptions, SamplerConfig, Tokenizer};
 use mlex_models::load::{LoadedModel, ModelSource};
 use std::io::IsTerminal;
 
-/// Loads the model at `spec`, materialising its weights behind a progress
-/// bar (shown on a terminal only).
-pub fn load_model(spec: &str, registry: &Registry) -> Result<LoadedModel> {
+/// The backend policy of a command: the process's
+/// ([`mlex_models::dispatch`]) with the shared model options applied.
+pub fn dispatch(m: Option<&ModelArgs>) -> Result<Dispatch> {
+    let mut d = mlex_models::dispatch()?;
+    if let Some(n) = m.and_then(|m| m.prefill_chunk) {
+        d.prefill_chunk = n as usize;
+    }
+    Ok(d)
+}
+
+/// Loads the model at `spec` under `dispatch`, materialising its weights
+/// behind a progress bar (shown on a terminal only).
+pub fn load_model(spec: &str, registry: &Registry, dispatch: &Dispatch) -> Result<LoadedModel> {
     let show = std::io::stderr().is_terminal();
     let spinner = show.then(|| {
         let pb = ProgressBar::new_spinner();
@@ -19,7 +30,7 @@ pub fn load_model(spec: &str, registry: &Registry) -> Result<LoadedModel> {
         pb.enable_steady_tick(std::time::Duration::from_millis(120));
         pb
     });
-    let loaded = mlex_models::load::load(spec, registry);
+    let loaded = mlex_models::load::load_with(spec, registry, dispatch);
     if let Some(pb) = spinner {
         pb.finish_and_clear();
     }
@@ -48,7 +59,7 @@ pub fn load_model(spec: &str, registry: &Registry) -> Result<LoadedModel> {
 
 /// Loads the model of `m` and quantizes it when `--quantize` asks.
 pub fn load_with(m: &ModelArgs, registry: &Registry) -> Result<LoadedModel> {
-    let mut loaded = load_model(&m.model, registry)?;
+    let mut loaded = load_model(&m.model, registry, &dispatch(Some(m))?)?;
     if let Some(bits) = m.quantize {
         let arch = registry.architecture(&loaded.model.arch)?;
         loaded.model = mlex_models::quantize::quantize(
@@ -197,9 +208,6 @@ pub fn generate_options(
 /// model options (compile policy, prefill step, checkpoint interval).
 pub fn generator(model: mlex_core::model::Model, m: &ModelArgs) -> mlex_generate::Generator {
     let mut g = mlex_generate::Generator::with_policy(model, compile(m));
-    if let Some(n) = m.prefill_chunk {
-        g.prefill_chunk = n as usize;
-    }
     g.checkpoint_every = m.checkpoint_every;
     g
 }

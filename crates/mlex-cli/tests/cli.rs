@@ -93,12 +93,15 @@ fn list_shows_architectures_and_kinds_with_origins() {
         let file = name.strip_suffix("_text").unwrap_or(name);
         assert_eq!(it["origin"], format!("architectures/{file}.toml"), "{name}");
     }
-    for kind in ["attention", "gated_delta", "mamba2", "mlp", "moe"] {
+    for (name, what) in [
+        ("attention", "mixer kind"),
+        ("gated_delta", "mixer kind"),
+        ("mamba2", "mixer kind"),
+        ("block", "layer kind"),
+    ] {
         assert!(
-            items
-                .iter()
-                .any(|i| i["name"] == kind && i["what"] == "layer kind"),
-            "{kind}"
+            items.iter().any(|i| i["name"] == name && i["what"] == what),
+            "{name}"
         );
     }
     let toml = tempfile::NamedTempFile::with_suffix(".toml").unwrap();
@@ -146,7 +149,7 @@ fn inspect_shows_plan_schedule_and_weights() {
         ["gated_delta", "gated_delta", "gated_delta", "attention"]
     );
     assert_eq!(v["segments"], 2);
-    assert_eq!(v["schedule"], "[E H0 T0 H1 T1 H2 T2 H3] G3 [T3 L]");
+    assert_eq!(v["schedule"], "[E B0 A0 B1 A1 B2 A2 B3] G3 [A3 L]");
     assert!(v["quantization"]
         .as_str()
         .unwrap()
@@ -178,6 +181,47 @@ fn inspect_shows_plan_schedule_and_weights() {
         text.contains("gated_delta") && text.contains("decode step"),
         "{text}"
     );
+}
+
+#[test]
+fn inspect_spec_shows_each_block_once_with_its_mixer_options_and_weights() {
+    let p = fixture_path("qwen3_next-q4");
+    let run = |format: &str| {
+        mlex()
+            .args(["inspect", "--spec", "--format", format, "--model"])
+            .arg(&p)
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone()
+    };
+    let text = String::from_utf8_lossy(&run("text")).to_string();
+    // Three Gated DeltaNet blocks read alike; the fourth layer is attention.
+    for line in [
+        "layers 0-2 (gated_delta, at model.layers.{i}):",
+        "  h   = x + gated_delta(input_layernorm(x))",
+        "  out = h + swiglu[mlp](post_attention_layernorm(h))",
+        "layer 3 (attention, at model.layers.{i}):",
+        "    gated = true",
+        "    qk_norm = pre_rope",
+        "    layout = qwen3_next",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "no line {line:?} in\n{text}"
+        );
+    }
+    assert!(
+        text.contains("self_attn.q_proj+k_proj+v_proj.weight"),
+        "{text}"
+    );
+    let v = last_json(&run("json"));
+    let groups = v["groups"].as_array().unwrap();
+    assert_eq!(groups.len(), 2, "{v}");
+    assert_eq!(groups[0]["layers"], serde_json::json!([0, 1, 2]));
+    assert_eq!(groups[1]["options"]["mixer"], "attention");
+    assert_eq!(groups[1]["options"]["mixer_options"]["gated"], true);
 }
 
 #[test]

@@ -3,9 +3,9 @@
 //! One decode step, for a hybrid model:
 //!
 //! ```text
-//! token → [segment 0: embed, layers without growing cache..., head of attention a]
+//! token → [segment 0: embed, layers without growing cache..., attention a before its cache]
 //!       → eager: RoPE at the cache offset, KV write, SDPA (grow of a)
-//!       → [segment 1: tail of a (o_proj, residual, MLP), ..., head of b]
+//!       → [segment 1: a after its cache (o_proj, residual, MLP), ..., b before its cache]
 //!       → ... → [last segment: ..., final norm, lm_head] → logits
 //! ```
 //!
@@ -91,7 +91,8 @@ pub enum CompilePolicy {
     All,
     /// Compile only the segments that hold a layer with fixed-size
     /// (recurrent) state, where fusing many small ops pays most; run the
-    /// others (an attention tail and the next head) eagerly, saving the
+    /// others (an attention layer's part after its cache write and the next
+    /// one's part before) eagerly, saving the
     /// compiled call's overhead. Measured against `All` in
     /// docs/BENCHMARKS.md.
     Recurrent,
@@ -270,8 +271,8 @@ fn run_phases<'a>(
     for phase in phases {
         carry = match *phase {
             Phase::Embed => vec![embed.forward(p, &carry[0])?],
-            Phase::Head(i) => layer(i).head(p, &carry[0], &mut states[slot(i)])?,
-            Phase::Tail(i) => vec![layer(i).tail(p, carry, &mut states[slot(i)])?],
+            Phase::BeforeCache(i) => layer(i).before_cache(p, &carry[0], &mut states[slot(i)])?,
+            Phase::AfterCache(i) => vec![layer(i).after_cache(p, carry, &mut states[slot(i)])?],
             Phase::Logits => vec![output.forward(p, &carry[0])?],
         };
     }

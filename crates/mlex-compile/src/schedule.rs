@@ -4,9 +4,10 @@
 //! kinds: a growing cache (attention KV) gains a row every token and cannot
 //! be written inside an MLX compiled function, so each growing layer's
 //! cache write (its *grow* phase: RoPE, KV write, SDPA) runs eagerly, and
-//! everything between two grow phases is one compiled segment: the tail of
-//! one growing layer, every non-growing layer in between (recurrent,
-//! MLP-only, MoE), and the head of the next growing layer. The embedding
+//! everything between two grow phases is one compiled segment: the part
+//! after the cache write of one growing layer, every non-growing layer in
+//! between (recurrent, MLP-only, MoE), and the part before the cache write
+//! of the next growing layer. The embedding
 //! opens the first segment and the output head closes the last.
 //!
 //! Pure logic, testable without MLX.
@@ -17,9 +18,9 @@ pub enum Phase {
     /// Token embedding.
     Embed,
     /// Layer `i` up to its growing-cache write (or all of it).
-    Head(usize),
+    BeforeCache(usize),
     /// Layer `i` after its growing-cache write.
-    Tail(usize),
+    AfterCache(usize),
     /// Final norm and output head.
     Logits,
 }
@@ -46,12 +47,12 @@ impl Schedule {
         let mut steps = Vec::new();
         let mut current = vec![Phase::Embed];
         for (i, &g) in grows.iter().enumerate() {
-            current.push(Phase::Head(i));
+            current.push(Phase::BeforeCache(i));
             if g {
                 steps.push(Step::Segment(std::mem::take(&mut current)));
                 steps.push(Step::Grow(i));
             }
-            current.push(Phase::Tail(i));
+            current.push(Phase::AfterCache(i));
         }
         current.push(Phase::Logits);
         steps.push(Step::Segment(current));
@@ -75,7 +76,7 @@ impl Schedule {
     pub fn layers_of(phases: &[Phase]) -> Vec<usize> {
         let mut out: Vec<usize> = Vec::new();
         for p in phases {
-            if let Phase::Head(i) | Phase::Tail(i) = p {
+            if let Phase::BeforeCache(i) | Phase::AfterCache(i) = p {
                 if out.last() != Some(i) {
                     out.push(*i);
                 }
@@ -84,7 +85,7 @@ impl Schedule {
         out
     }
 
-    /// A compact rendering, e.g. `[E H0 T0 H1] G1 [T1 L]`.
+    /// A compact rendering, e.g. `[E B0 A0 B1] G1 [A1 L]` (B: before the cache write, A: after).
     pub fn render(&self) -> String {
         self.steps
             .iter()
@@ -95,8 +96,8 @@ impl Schedule {
                     p.iter()
                         .map(|p| match p {
                             Phase::Embed => "E".to_owned(),
-                            Phase::Head(i) => format!("H{i}"),
-                            Phase::Tail(i) => format!("T{i}"),
+                            Phase::BeforeCache(i) => format!("B{i}"),
+                            Phase::AfterCache(i) => format!("A{i}"),
                             Phase::Logits => "L".to_owned(),
                         })
                         .collect::<Vec<_>>()
@@ -126,14 +127,14 @@ mod tests {
     #[test]
     fn attention_only_model_has_one_segment_per_gap() {
         let s = Schedule::new(&[true, true]);
-        assert_eq!(s.render(), "[E H0] G0 [T0 H1] G1 [T1 L]");
+        assert_eq!(s.render(), "[E B0] G0 [A0 B1] G1 [A1 L]");
         assert_eq!(s.num_segments(), 3);
     }
 
     #[test]
     fn model_without_attention_is_one_segment() {
         let s = Schedule::new(&[false, false, false]);
-        assert_eq!(s.render(), "[E H0 T0 H1 T1 H2 T2 L]");
+        assert_eq!(s.render(), "[E B0 A0 B1 A1 B2 A2 L]");
         assert_eq!(s.num_segments(), 1);
     }
 
@@ -143,10 +144,14 @@ mod tests {
         let s = Schedule::new(&[false, false, false, true, false, false, false, true]);
         assert_eq!(
             s.render(),
-            "[E H0 T0 H1 T1 H2 T2 H3] G3 [T3 H4 T4 H5 T5 H6 T6 H7] G7 [T7 L]"
+            "[E B0 A0 B1 A1 B2 A2 B3] G3 [A3 B4 A4 B5 A5 B6 A6 B7] G7 [A7 L]"
         );
         assert_eq!(
-            Schedule::layers_of(&[Phase::Tail(3), Phase::Head(4), Phase::Tail(4)]),
+            Schedule::layers_of(&[
+                Phase::AfterCache(3),
+                Phase::BeforeCache(4),
+                Phase::AfterCache(4)
+            ]),
             vec![3, 4]
         );
     }
@@ -169,7 +174,7 @@ mod tests {
         let s = Schedule::new(&grows);
         assert_eq!(
             s.render(),
-            "[E H0 T0 H1 T1 H2] G2 [T2 H3 T3 H4] G4 [T4 H5] G5 [T5 H6 T6 L]"
+            "[E B0 A0 B1 A1 B2] G2 [A2 B3 A3 B4] G4 [A4 B5] G5 [A5 B6 A6 L]"
         );
     }
 
@@ -179,13 +184,13 @@ mod tests {
             grows in proptest::collection::vec(any::<bool>(), 0..40)
         ) {
             let s = Schedule::new(&grows);
-            // Every layer's head and tail exactly once, head before tail,
+            // Every layer's phases exactly once, before-cache before after-cache,
             // layers in order; a grow between them iff the layer grows.
             let mut expected = vec!["Embed".to_owned()];
             for (i, g) in grows.iter().enumerate() {
-                expected.push(format!("Head({i})"));
+                expected.push(format!("BeforeCache({i})"));
                 if *g { expected.push(format!("G{i}")); }
-                expected.push(format!("Tail({i})"));
+                expected.push(format!("AfterCache({i})"));
             }
             expected.push("Logits".to_owned());
             prop_assert_eq!(flatten(&s), expected);

@@ -16,11 +16,16 @@ use serde_json::Value;
 /// One layer of a plan.
 #[derive(Clone, Debug)]
 pub struct LayerPlan {
-    /// Registered layer-kind name.
+    /// What the layer is called in the plan and in `mlex inspect`: the
+    /// spec's name for it (`attention`, `mamba2`, `mlp`, ...).
+    pub name: String,
+    /// The registered layer kind that builds it: `block` for a block of a
+    /// mixer and a feed-forward, or a downstream crate's whole-layer kind.
     pub kind: String,
     /// Weight prefix, e.g. `model.layers.3`.
     pub prefix: String,
-    /// Kind options (weight-name templates, switches).
+    /// The kind's options (for a block: its block options, its mixer's
+    /// name and the mixer's options).
     pub options: Value,
 }
 
@@ -54,6 +59,10 @@ pub struct ModelPlan {
     pub head: HeadPlan,
     /// `c * tanh(logits / c)` when set.
     pub logit_softcap: Option<f32>,
+    /// Embedded tokens multiplied by this (Granite).
+    pub embedding_multiplier: Option<f32>,
+    /// Logits divided by this (Granite).
+    pub logits_scaling: Option<f32>,
     /// The longest context the model supports, if the config says.
     pub max_context: Option<usize>,
 }

@@ -1,14 +1,21 @@
 //! Decoder layers and the kinds that build them.
 //!
-//! A [`Layer`] runs in up to three phases so that the decode step can be cut
-//! at growing-cache writes (see `mlex-compile`):
+//! Most layers are *blocks* (`mlex_models::block`): a pre-norm, a [`Mixer`]
+//! (attention, Gated DeltaNet, Mamba2, ...), a residual, a pre-norm, a
+//! feed-forward and a residual. Mixers are registered by name
+//! ([`crate::register_mixer_kind!`]) and built from their own typed
+//! options; a [`LayerKind`] builds a whole layer (the block itself, or a
+//! layer of a downstream crate that is not a block).
 //!
-//! 1. [`Layer::head`]: pure; everything before the growing-cache write
-//!    (norm, projections, q/k norms). For a layer without a growing cache
-//!    this is the whole layer.
+//! A [`Layer`] (and a [`Mixer`]) runs in up to three phases so that the
+//! decode step can be cut at growing-cache writes (see `mlex-compile`):
+//!
+//! 1. [`Layer::before_cache`]: pure; everything before the growing-cache
+//!    write (norm, projections, q/k norms). For a layer without a growing
+//!    cache this is the whole layer.
 //! 2. [`Layer::grow`]: eager; RoPE at the cache offset, the KV write, SDPA.
-//! 3. [`Layer::tail`]: pure; everything after (output projection, residual,
-//!    MLP).
+//! 3. [`Layer::after_cache`]: pure; everything after (output projection,
+//!    residual, feed-forward).
 //!
 //! Pure phases read weights through [`Params`] and thread the layer's
 //! fixed-size state (`&mut [Array]`, the concatenated [`Cache::state`] of its
@@ -21,6 +28,7 @@ use crate::cache::Cache;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::params::{ParamId, Params};
+use crate::registry::Registry;
 use crate::weights::WeightLoader;
 use mlx_rs::{Array, Dtype};
 use serde_json::Value;
@@ -46,7 +54,7 @@ pub trait Layer: Send + Sync {
     fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>>;
 
     /// Phase 1 (pure): `x` is `[B, T, D]`.
-    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry>;
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry>;
 
     /// Phase 2 (eager): reads/writes the growing cache. Layers that do not
     /// grow pass the carry through.
@@ -55,7 +63,7 @@ pub trait Layer: Send + Sync {
     }
 
     /// Phase 3 (pure): returns the layer's output `[B, T, D]`.
-    fn tail(&self, _p: &Params, carry: Carry, _state: &mut [Array]) -> Result<Array> {
+    fn after_cache(&self, _p: &Params, carry: Carry, _state: &mut [Array]) -> Result<Array> {
         carry
             .into_iter()
             .next()
@@ -108,6 +116,8 @@ pub struct BuildCtx<'a> {
     pub options: &'a Value,
     /// Where weights come from.
     pub weights: &'a mut WeightLoader,
+    /// The registry, for the mixer kinds a block names.
+    pub registry: &'a Registry,
 }
 
 impl BuildCtx<'_> {
@@ -158,4 +168,77 @@ pub trait LayerKind: Send + Sync {
 
     /// Builds one layer.
     fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>>;
+}
+
+/// One built token mixer: the part of a block between its pre-norm and its
+/// residual (attention, Gated DeltaNet, Mamba2, ...). It runs in the same
+/// three phases as a [`Layer`], on the normed input, and returns what the
+/// block adds to the residual. It owns its caches and their state.
+pub trait Mixer: Send + Sync {
+    /// The mixer kind's registered name.
+    fn kind(&self) -> &str;
+
+    /// Every weight the mixer reads.
+    fn params(&self) -> Vec<ParamId>;
+
+    /// True when the mixer has a growing cache (and so a
+    /// [`Mixer::grow`] phase).
+    fn grows(&self) -> bool;
+
+    /// Fresh caches for `batch` sequences; the growing cache, if any,
+    /// comes first.
+    fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>>;
+
+    /// How many arrays the states of its fixed-size caches hold together
+    /// (its part of the layer's `state`).
+    fn state_len(&self) -> usize;
+
+    /// Phase 1 (pure): `x` is the normed input `[B, T, D]`.
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry>;
+
+    /// Phase 2 (eager): reads/writes the growing cache.
+    fn grow(&self, _p: &Params, carry: Carry, _cache: &mut dyn Cache) -> Result<Carry> {
+        Ok(carry)
+    }
+
+    /// Phase 3 (pure): the mixer's output `[B, T, D]` (before the
+    /// residual).
+    fn after_cache(&self, _p: &Params, carry: Carry, _state: &mut [Array]) -> Result<Array> {
+        carry
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Other("mixer phase produced no output".into()))
+    }
+
+    /// The weights affine quantization may pack.
+    fn quantizable(&self) -> Vec<ParamId> {
+        Vec::new()
+    }
+
+    /// A one-line description for `mlex inspect`.
+    fn describe(&self) -> String {
+        self.kind().to_owned()
+    }
+}
+
+/// A kind of mixer, registered by name, that builds mixers from its typed
+/// options (`ctx.options`) and weights under the block's mixer prefix.
+pub trait MixerKind: Send + Sync {
+    /// The registered name (`attention`, `gated_delta`, `mamba2`, ...).
+    fn name(&self) -> &'static str;
+
+    /// What it keeps between tokens.
+    fn state(&self) -> StateKind;
+
+    /// One line for `mlex list`.
+    fn summary(&self) -> &'static str;
+
+    /// The option names its options struct takes (see
+    /// [`LayerKind::option_keys`]).
+    fn option_keys(&self) -> &'static [&'static str] {
+        &[]
+    }
+
+    /// Builds one mixer; `ctx.prefix` is the layer's prefix.
+    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Mixer>>;
 }

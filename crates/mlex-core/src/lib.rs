@@ -19,6 +19,7 @@ pub mod arch;
 pub mod cache;
 pub mod config;
 pub mod device;
+pub mod dispatch;
 pub mod error;
 pub mod layer;
 pub mod model;

@@ -7,6 +7,7 @@
 use crate::arch::{Architecture, HeadPlan, ModelPlan};
 use crate::cache::Cache;
 use crate::config::ModelConfig;
+use crate::dispatch::Dispatch;
 use crate::error::{Error, Result, ResultExt};
 use crate::layer::{BuildCtx, Layer};
 use crate::nn::{Embedding, Linear, Norm};
@@ -36,6 +37,9 @@ pub struct OutputHead {
     pub head: Head,
     /// `c * tanh(logits / c)` when set.
     pub softcap: Option<f32>,
+    /// Logits divided by this (Granite's `logits_scaling`), before the
+    /// soft-cap.
+    pub divisor: Option<f32>,
 }
 
 impl OutputHead {
@@ -56,6 +60,9 @@ impl OutputHead {
             Head::Tied(e) => e.as_linear(p, &h)?,
             Head::Linear(l) => l.forward(p, &h)?,
         };
+        if let Some(d) = self.divisor {
+            out = ops::divide(&out, crate::nn::scalar(d, out.dtype())?)?;
+        }
         if let Some(c) = self.softcap {
             let cc = crate::nn::scalar(c, out.dtype())?;
             out = ops::multiply(ops::tanh(ops::divide(&out, &cc)?)?, &cc)?;
@@ -66,7 +73,7 @@ impl OutputHead {
 
 /// One layer and its place in the stack.
 pub struct LayerSlot {
-    /// The layer kind's name.
+    /// The layer's name in the plan (the spec's `attention`, `mamba2`, ...).
     pub kind: String,
     /// The weight prefix.
     pub prefix: String,
@@ -94,6 +101,9 @@ pub struct Model {
     pub max_context: Option<usize>,
     /// The checkpoint's quantization.
     pub quantization: Quantization,
+    /// The backend policy it was built with (and that decode and prefill
+    /// follow).
+    pub dispatch: Dispatch,
 }
 
 /// The caches of a whole model: one list per layer.
@@ -188,12 +198,21 @@ impl Model {
         raw_config: &ModelConfig,
         mut weights: WeightMap,
         registry: &Registry,
+        dispatch: &Dispatch,
     ) -> Result<Model> {
         let config = arch.text_config(raw_config)?;
         let quantization = Quantization::from_config(raw_config)?;
         arch.sanitize(raw_config, &mut weights)?;
         let plan = arch.plan(&config)?;
-        Self::build_from_plan(arch.name(), config, plan, weights, quantization, registry)
+        Self::build_from_plan(
+            arch.name(),
+            config,
+            plan,
+            weights,
+            quantization,
+            registry,
+            dispatch,
+        )
     }
 
     /// Builds a model from an explicit plan (sanitized weights).
@@ -204,6 +223,7 @@ impl Model {
         weights: WeightMap,
         quantization: Quantization,
         registry: &Registry,
+        dispatch: &Dispatch,
     ) -> Result<Model> {
         for (key, v) in [
             ("vocab_size", plan.vocab_size),
@@ -211,8 +231,9 @@ impl Model {
         ] {
             crate::config::count(i64::from(v)).map_err(|m| config.error(key, m))?;
         }
-        let mut ld = WeightLoader::new(weights, quantization.clone());
-        let embed = Embedding::load(&mut ld, &plan.embed, plan.vocab_size, plan.hidden_size)?;
+        let mut ld = WeightLoader::with_dispatch(weights, quantization.clone(), dispatch.clone());
+        let mut embed = Embedding::load(&mut ld, &plan.embed, plan.vocab_size, plan.hidden_size)?;
+        embed.scale = plan.embedding_multiplier;
         let mut layers = Vec::with_capacity(plan.layers.len());
         for (index, lp) in plan.layers.iter().enumerate() {
             let kind = registry.layer_kind(&lp.kind).map_err(|e| match e {
@@ -229,10 +250,11 @@ impl Model {
                 prefix: lp.prefix.clone(),
                 options: &lp.options,
                 weights: &mut ld,
+                registry,
             };
             let layer = kind.build(&mut ctx)?;
             layers.push(LayerSlot {
-                kind: lp.kind.clone(),
+                kind: lp.name.clone(),
                 prefix: lp.prefix.clone(),
                 layer: Arc::from(layer),
             });
@@ -266,10 +288,12 @@ impl Model {
                 norm,
                 head,
                 softcap: plan.logit_softcap,
+                divisor: plan.logits_scaling,
             },
             dtype,
             max_context: plan.max_context,
             quantization,
+            dispatch: dispatch.clone(),
         })
     }
 
@@ -309,7 +333,7 @@ impl Model {
         let tokens = x.shape()[1] as usize;
         let ctx = || format!("layer {i} ({})", self.layers[i].kind);
         let mut state = gather_state(caches);
-        let carry = layer.head(p, x, &mut state).ctx(ctx)?;
+        let carry = layer.before_cache(p, x, &mut state).ctx(ctx)?;
         let carry = if layer.grows() {
             let kv = caches
                 .iter_mut()
@@ -319,7 +343,7 @@ impl Model {
         } else {
             carry
         };
-        let y = layer.tail(p, carry, &mut state).ctx(ctx)?;
+        let y = layer.after_cache(p, carry, &mut state).ctx(ctx)?;
         scatter_state(caches, state)?;
         advance_fixed(caches, tokens);
         Ok(y)

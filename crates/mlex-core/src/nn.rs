@@ -6,6 +6,7 @@
 //! Numerics follow MLX's `mlx.nn` (which mlx-lm uses) operation by
 //! operation, so that parity with mlx-lm holds to float rounding.
 
+use crate::dispatch::DenseProduct;
 use crate::error::{Error, Result};
 use crate::params::{ParamId, Params};
 use crate::quant::QuantSpec;
@@ -36,6 +37,8 @@ pub struct Linear {
     pub in_features: i32,
     /// Output features.
     pub out_features: i32,
+    /// How its product runs.
+    pub product: Product,
 }
 
 /// Loads `{prefix}.weight` packed with `.scales`/`.biases` when
@@ -81,69 +84,75 @@ pub fn load_quantized(
     )))
 }
 
-/// A dense `x @ w^T` that beats MLX's matmul for some shapes on some
-/// backend: `Ok(None)` hands the product back to MLX. Installed by a kernels
-/// crate (`mlex_kernels::skinny::install`), so this crate holds no kernels.
-pub type DenseMatmul = fn(x: &Array, w: &Array) -> Result<Option<Array>>;
-
-static DENSE_MATMUL: std::sync::OnceLock<DenseMatmul> = std::sync::OnceLock::new();
-
-/// Installs the process's [`DenseMatmul`] (the first call wins).
-pub fn set_dense_matmul_override(f: DenseMatmul) {
-    let _ = DENSE_MATMUL.set(f);
+/// How a layer's products run, taken from the [`Dispatch`] when the layer
+/// is loaded: the few-row kernel for the row counts it takes, and the
+/// dequantized form of quantized products with float32 activations where
+/// the backend needs it.
+///
+/// [`Dispatch`]: crate::dispatch::Dispatch
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Product {
+    few_rows: Option<(DenseProduct, (i32, i32))>,
+    dequantize_f32: bool,
 }
 
-/// `x @ w^T` for a dense `[out, in]` weight, through the installed
-/// [`DenseMatmul`] when it takes the shape.
-pub fn dense_matmul(x: &Array, w: &Array) -> Result<Array> {
-    match dense_override(x, w)? {
-        Some(y) => Ok(y),
-        None => Ok(ops::matmul(x, w.t())?),
+impl Product {
+    /// The products `d` chooses.
+    pub fn of(d: &crate::dispatch::Dispatch) -> Self {
+        Self {
+            few_rows: d.few_row_product(),
+            dequantize_f32: d.dequantize_f32_products,
+        }
     }
-}
 
-/// The installed [`DenseMatmul`]'s product, when there is one and it takes
-/// the shape.
-fn dense_override(x: &Array, w: &Array) -> Result<Option<Array>> {
-    match DENSE_MATMUL.get() {
-        Some(f) => f(x, w),
-        None => Ok(None),
+    /// The few-row kernel's product, when it takes the shape.
+    fn few_rows(&self, x: &Array, w: &Array) -> Result<Option<Array>> {
+        match self.few_rows {
+            Some((f, rows)) => f(x, w, rows),
+            None => Ok(None),
+        }
     }
-}
 
-/// True when a quantized product with activations `x` must run on the
-/// dequantized weight: MLX's CUDA backend (0.32) has quantized-matmul
-/// kernels for float32 activations only at some shapes and none for a
-/// gathered (MoE) product, and a GGUF checkpoint's float32 norms make the
-/// activations float32. The dequantized product is exact (the CPU's
-/// numbers) and costs a dequantization of the weight per call.
-pub fn dequantize_for_product(x: &Array) -> bool {
-    x.dtype() == Dtype::Float32 && crate::device::default_is_cuda_gpu()
-}
-
-/// `x @ dequantize(w)^T` for an affine-quantized `[out, in]` weight, with
-/// MLX's quantized kernel where the backend has one for `x`'s dtype (see
-/// [`dequantize_for_product`]).
-pub fn quantized_matmul(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: &Array,
-    spec: &QuantSpec,
-) -> Result<Array> {
-    if dequantize_for_product(x) {
-        let dense = ops::dequantize(w, scales, biases, spec.group_size, spec.bits)?;
-        return Ok(ops::matmul(x, dense.as_dtype(x.dtype())?.t())?);
+    /// `x @ w^T` for a dense `[out, in]` weight.
+    pub fn dense(&self, x: &Array, w: &Array) -> Result<Array> {
+        match self.few_rows(x, w)? {
+            Some(y) => Ok(y),
+            None => Ok(ops::matmul(x, w.t())?),
+        }
     }
-    Ok(ops::quantized_matmul(
-        x,
-        w,
-        scales,
-        biases,
-        true,
-        spec.group_size,
-        spec.bits,
-    )?)
+
+    /// True when a quantized product with activations `x` runs on the
+    /// dequantized weight (see
+    /// [`Dispatch::dequantize_f32_products`](crate::dispatch::Dispatch)).
+    /// The dequantized product is exact (the CPU's numbers) and costs a
+    /// dequantization of the weight per call.
+    pub fn dequantizes(&self, x: &Array) -> bool {
+        self.dequantize_f32 && x.dtype() == Dtype::Float32
+    }
+
+    /// `x @ dequantize(w)^T` for an affine-quantized `[out, in]` weight.
+    pub fn quantized(
+        &self,
+        x: &Array,
+        w: &Array,
+        scales: &Array,
+        biases: &Array,
+        spec: &QuantSpec,
+    ) -> Result<Array> {
+        if self.dequantizes(x) {
+            let dense = ops::dequantize(w, scales, biases, spec.group_size, spec.bits)?;
+            return Ok(ops::matmul(x, dense.as_dtype(x.dtype())?.t())?);
+        }
+        Ok(ops::quantized_matmul(
+            x,
+            w,
+            scales,
+            biases,
+            true,
+            spec.group_size,
+            spec.bits,
+        )?)
+    }
 }
 
 impl Linear {
@@ -174,6 +183,7 @@ impl Linear {
             quant,
             in_features,
             out_features,
+            product: ld.product(),
         })
     }
 
@@ -199,14 +209,16 @@ impl Linear {
         match &self.quant {
             None => match self.bias {
                 // mlx.nn.Linear uses addmm when it has a bias.
-                Some(b) => match dense_override(x, w)? {
+                Some(b) => match self.product.few_rows(x, w)? {
                     Some(y) => Ok(ops::add(&y, p.get(b)?)?),
                     None => Ok(ops::addmm(p.get(b)?, x, w.t(), 1.0, 1.0)?),
                 },
-                None => dense_matmul(x, w),
+                None => self.product.dense(x, w),
             },
             Some(q) => {
-                let y = quantized_matmul(x, w, p.get(q.scales)?, p.get(q.biases)?, &q.spec)?;
+                let y =
+                    self.product
+                        .quantized(x, w, p.get(q.scales)?, p.get(q.biases)?, &q.spec)?;
                 match self.bias {
                     Some(b) => Ok(ops::add(&y, p.get(b)?)?),
                     None => Ok(y),
@@ -214,13 +226,6 @@ impl Linear {
             }
         }
     }
-}
-
-/// Whether [`FusedLinear`] concatenates its parts: on unless
-/// `MLEX_FUSE_PROJECTIONS=0` (for measuring the separate products).
-pub fn fuse_projections() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MLEX_FUSE_PROJECTIONS").map_or(true, |v| v != "0"))
 }
 
 /// Projections of one input (q/k/v, gate/up, a Gated DeltaNet's inputs)
@@ -232,7 +237,7 @@ pub fn fuse_projections() -> bool {
 /// 2 → 1, Qwen3.5's Gated DeltaNet inputs 4 → 1).
 /// Parts stored differently (dense beside quantized, other quantization or
 /// dtype) stay separate products, as does everything under
-/// `MLEX_FUSE_PROJECTIONS=0`. Every output element is the same dot
+/// `Dispatch::fuse_projections` off. Every output element is the same dot
 /// product; its last bits may differ where MLX picks another matmul kernel
 /// for the wider product.
 #[derive(Clone, Debug)]
@@ -262,8 +267,8 @@ pub fn fused_name(prefixes: &[&str]) -> String {
 
 impl FusedLinear {
     /// Loads the parts `{prefix}.weight` (+ `.bias`), each of `[out, in]`
-    /// (or packed), as one matrix where they are stored alike (unless
-    /// `MLEX_FUSE_PROJECTIONS=0`); a checkpoint that already holds
+    /// (or packed), as one matrix where they are stored alike (unless the
+    /// loader's dispatch says otherwise); a checkpoint that already holds
     /// [`fused_name`] is read as it is.
     pub fn load(
         ld: &mut WeightLoader,
@@ -271,11 +276,12 @@ impl FusedLinear {
         in_features: i32,
         bias: bool,
     ) -> Result<Self> {
-        Self::load_with(ld, parts, in_features, bias, fuse_projections())
+        let fuse = ld.dispatch().fuse_projections;
+        Self::load_with(ld, parts, in_features, bias, fuse)
     }
 
     /// [`FusedLinear::load`] with fusion chosen by `fuse` rather than the
-    /// environment.
+    /// loader's dispatch.
     pub fn load_with(
         ld: &mut WeightLoader,
         parts: &[(&str, i32)],
@@ -379,6 +385,7 @@ impl FusedLinear {
                 quant: q,
                 in_features,
                 out_features: total,
+                product: ld.product(),
             },
             sizes,
         })
@@ -429,6 +436,11 @@ pub struct Embedding {
     pub vocab: i32,
     /// Embedding width.
     pub dim: i32,
+    /// Multiplies the looked-up rows (Granite's `embedding_multiplier`);
+    /// never the tied output head.
+    pub scale: Option<f32>,
+    /// How its product as a tied head runs.
+    pub product: Product,
 }
 
 impl Embedding {
@@ -443,6 +455,8 @@ impl Embedding {
             quant,
             vocab,
             dim,
+            scale: None,
+            product: ld.product(),
         })
     }
 
@@ -469,8 +483,17 @@ impl Embedding {
         })
     }
 
-    /// Looks up `ids` (any integer shape) → `[..., dim]`.
+    /// Looks up `ids` (any integer shape) → `[..., dim]`, times
+    /// [`Embedding::scale`].
     pub fn forward(&self, p: &Params, ids: &Array) -> Result<Array> {
+        let rows = self.lookup(p, ids)?;
+        match self.scale {
+            Some(s) => Ok(ops::multiply(&rows, scalar(s, rows.dtype())?)?),
+            None => Ok(rows),
+        }
+    }
+
+    fn lookup(&self, p: &Params, ids: &Array) -> Result<Array> {
         let w = p.get(self.weight)?;
         match &self.quant {
             None => Ok(w.take_axis(ids, 0)?),
@@ -493,8 +516,10 @@ impl Embedding {
     pub fn as_linear(&self, p: &Params, x: &Array) -> Result<Array> {
         let w = p.get(self.weight)?;
         match &self.quant {
-            None => dense_matmul(x, w),
-            Some(q) => quantized_matmul(x, w, p.get(q.scales)?, p.get(q.biases)?, &q.spec),
+            None => self.product.dense(x, w),
+            Some(q) => self
+                .product
+                .quantized(x, w, p.get(q.scales)?, p.get(q.biases)?, &q.spec),
         }
     }
 }

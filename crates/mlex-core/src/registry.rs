@@ -1,7 +1,8 @@
 //! The registry of architectures and layer kinds, on `inventory`.
 //!
 //! Users see one macro per thing ([`register_architecture!`],
-//! [`register_layer_kind!`], [`register_cache_kind!`]); any crate linked
+//! [`register_mixer_kind!`], [`register_layer_kind!`],
+//! [`register_cache_kind!`]); any crate linked
 //! into the binary can use them, ours or not. [`Registry::from_inventory`]
 //! collects every registration and fails loudly, naming both origins, when
 //! two share a name; it can list everything it holds with where each came
@@ -11,12 +12,13 @@
 //!
 //! [`register_architecture!`]: crate::register_architecture
 //! [`register_layer_kind!`]: crate::register_layer_kind
+//! [`register_mixer_kind!`]: crate::register_mixer_kind
 //! [`register_cache_kind!`]: crate::register_cache_kind
 
 use crate::arch::Architecture;
 use crate::cache::{Cache, CacheTensors};
 use crate::error::{Error, Result};
-use crate::layer::LayerKind;
+use crate::layer::{LayerKind, MixerKind};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -40,6 +42,16 @@ pub struct LayerKindEntry {
     pub build: fn() -> Box<dyn LayerKind>,
 }
 
+/// A mixer-kind registration (made by [`crate::register_mixer_kind!`]).
+pub struct MixerKindEntry {
+    /// The kind name.
+    pub name: &'static str,
+    /// The registering module.
+    pub origin: &'static str,
+    /// Constructor.
+    pub build: fn() -> Box<dyn MixerKind>,
+}
+
 /// A cache-kind registration (made by [`crate::register_cache_kind!`]):
 /// how a cache saved with [`Cache::to_tensors`] is rebuilt.
 pub struct CacheKindEntry {
@@ -55,6 +67,7 @@ pub struct CacheKindEntry {
 
 inventory::collect!(ArchitectureEntry);
 inventory::collect!(LayerKindEntry);
+inventory::collect!(MixerKindEntry);
 inventory::collect!(CacheKindEntry);
 
 /// Registers how a saved cache of a kind is rebuilt:
@@ -119,7 +132,20 @@ macro_rules! register_architecture {
     };
 }
 
-/// Registers a layer kind: `register_layer_kind!("attention", AttentionKind);`
+/// Registers a layer kind: `register_layer_kind!("block", BlockKind);`, or
+/// defines and registers one from its typed options and a build function:
+///
+/// ```ignore
+/// register_layer_kind! {
+///     /// The registered `block` layer kind.
+///     kind BlockKind = "block" {
+///         options: BlockOptions,
+///         state: StateKind::GrowingAndFixed,
+///         summary: "pre-norm mixer + residual, ...",
+///         build: Block::build, // fn(&mut BuildCtx, &BlockOptions) -> Result<Block>
+///     }
+/// }
+/// ```
 #[macro_export]
 macro_rules! register_layer_kind {
     ($name:literal, $value:expr) => {
@@ -133,6 +159,75 @@ macro_rules! register_layer_kind {
             }
         }
     };
+    ($(#[$meta:meta])* kind $kind:ident = $name:literal {
+        options: $options:ty, state: $state:expr, summary: $summary:literal, build: $build:path $(,)?
+    }) => {
+        $crate::__kind_impl!($(#[$meta])* $kind, LayerKind, Layer, $name, $options, $state, $summary, $build);
+        $crate::register_layer_kind!($name, $kind);
+    };
+}
+
+/// Registers a mixer kind: `register_mixer_kind!("mamba2", Mamba2Kind);`,
+/// or defines and registers one as [`register_layer_kind!`] does, its
+/// build function returning the mixer.
+#[macro_export]
+macro_rules! register_mixer_kind {
+    ($name:literal, $value:expr) => {
+        $crate::inventory::submit! {
+            $crate::registry::MixerKindEntry {
+                name: $name,
+                origin: module_path!(),
+                build: || -> ::std::boxed::Box<dyn $crate::layer::MixerKind> {
+                    ::std::boxed::Box::new($value)
+                },
+            }
+        }
+    };
+    ($(#[$meta:meta])* kind $kind:ident = $name:literal {
+        options: $options:ty, state: $state:expr, summary: $summary:literal, build: $build:path $(,)?
+    }) => {
+        $crate::__kind_impl!($(#[$meta])* $kind, MixerKind, Mixer, $name, $options, $state, $summary, $build);
+        $crate::register_mixer_kind!($name, $kind);
+    };
+}
+
+/// The kind struct and its trait impl for [`register_layer_kind!`] and
+/// [`register_mixer_kind!`]: options parsed strictly, errors naming the
+/// layer and the kind.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __kind_impl {
+    ($(#[$meta:meta])* $kind:ident, $trait:ident, $built:ident, $name:literal, $options:ty,
+     $state:expr, $summary:literal, $build:path) => {
+        $(#[$meta])*
+        pub struct $kind;
+
+        impl $crate::layer::$trait for $kind {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn option_keys(&self) -> &'static [&'static str] {
+                $crate::config::struct_fields::<$options>()
+            }
+            fn state(&self) -> $crate::layer::StateKind {
+                $state
+            }
+            fn summary(&self) -> &'static str {
+                $summary
+            }
+            fn build(
+                &self,
+                ctx: &mut $crate::layer::BuildCtx<'_>,
+            ) -> $crate::error::Result<::std::boxed::Box<dyn $crate::layer::$built>> {
+                let o: $options = $crate::config::parse_value(
+                    ctx.options,
+                    ctx.config.file(),
+                    &format!("options of layer {} ({})", ctx.index, $name),
+                )?;
+                Ok(::std::boxed::Box::new($build(ctx, &o)?))
+            }
+        }
+    };
 }
 
 struct Slot<T: ?Sized> {
@@ -140,11 +235,22 @@ struct Slot<T: ?Sized> {
     origin: String,
 }
 
+/// A registration's constructor must build the thing it was registered as.
+fn same_name(what: &str, registered: &str, origin: &str, reported: &str) -> Result<()> {
+    if registered == reported {
+        return Ok(());
+    }
+    Err(Error::Other(format!(
+        "{what} registered as `{registered}` by {origin} reports the name `{reported}`"
+    )))
+}
+
 /// Everything registered, by name.
 #[derive(Default)]
 pub struct Registry {
     archs: BTreeMap<String, Slot<dyn Architecture>>,
     kinds: BTreeMap<String, Slot<dyn LayerKind>>,
+    mixers: BTreeMap<String, Slot<dyn MixerKind>>,
     /// Cache kinds by name: (origin, summary).
     caches: BTreeMap<String, (String, String)>,
 }
@@ -152,7 +258,7 @@ pub struct Registry {
 /// One line of [`Registry::list`].
 #[derive(Clone, Debug)]
 pub struct Listing {
-    /// `architecture`, `layer kind` or `cache kind`.
+    /// `architecture`, `layer kind`, `mixer kind` or `cache kind`.
     pub what: &'static str,
     /// Registered name.
     pub name: String,
@@ -176,27 +282,18 @@ impl Registry {
         let mut r = Self::new();
         for e in inventory::iter::<ArchitectureEntry> {
             let arch = (e.build)();
-            if arch.name() != e.name {
-                return Err(Error::Other(format!(
-                    "architecture registered as `{}` by {} reports the name `{}`",
-                    e.name,
-                    e.origin,
-                    arch.name()
-                )));
-            }
+            same_name("architecture", e.name, e.origin, arch.name())?;
             r.add_architecture(Arc::from(arch), e.origin)?;
         }
         for e in inventory::iter::<LayerKindEntry> {
             let kind = (e.build)();
-            if kind.name() != e.name {
-                return Err(Error::Other(format!(
-                    "layer kind registered as `{}` by {} reports the name `{}`",
-                    e.name,
-                    e.origin,
-                    kind.name()
-                )));
-            }
+            same_name("layer kind", e.name, e.origin, kind.name())?;
             r.add_layer_kind(Arc::from(kind), e.origin)?;
+        }
+        for e in inventory::iter::<MixerKindEntry> {
+            let kind = (e.build)();
+            same_name("mixer kind", e.name, e.origin, kind.name())?;
+            r.add_mixer_kind(Arc::from(kind), e.origin)?;
         }
         for e in inventory::iter::<CacheKindEntry> {
             if let Some((prev, _)) = r.caches.get(e.name) {
@@ -235,24 +332,54 @@ impl Registry {
         Ok(())
     }
 
-    /// Adds a layer kind; a taken name is an error naming both origins.
+    /// The origin of the layer or mixer kind called `name` (a spec names
+    /// either by the same name, so the two share one namespace).
+    fn kind_origin(&self, name: &str) -> Option<&String> {
+        let layer = self.kinds.get(name).map(|s| &s.origin);
+        layer.or(self.mixers.get(name).map(|s| &s.origin))
+    }
+
+    fn check_kind_name(&self, what: &'static str, name: &str, origin: &str) -> Result<()> {
+        match self.kind_origin(name) {
+            Some(prev) => Err(Error::DuplicateRegistration {
+                what,
+                name: name.to_owned(),
+                first: prev.clone(),
+                second: origin.to_owned(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Adds a layer kind; a name taken by a layer or a mixer kind is an
+    /// error naming both origins.
     pub fn add_layer_kind(
         &mut self,
         kind: Arc<dyn LayerKind>,
         origin: impl Into<String>,
     ) -> Result<()> {
-        let name = kind.name().to_owned();
-        let origin = origin.into();
-        if let Some(prev) = self.kinds.get(&name) {
-            return Err(Error::DuplicateRegistration {
-                what: "layer kind",
-                name,
-                first: prev.origin.clone(),
-                second: origin,
-            });
-        }
+        let (name, origin) = (kind.name().to_owned(), origin.into());
+        self.check_kind_name("layer kind", &name, &origin)?;
         self.kinds.insert(name, Slot { item: kind, origin });
         Ok(())
+    }
+
+    /// Adds a mixer kind; a name taken by a mixer or a layer kind is an
+    /// error naming both origins.
+    pub fn add_mixer_kind(
+        &mut self,
+        kind: Arc<dyn MixerKind>,
+        origin: impl Into<String>,
+    ) -> Result<()> {
+        let (name, origin) = (kind.name().to_owned(), origin.into());
+        self.check_kind_name("mixer kind", &name, &origin)?;
+        self.mixers.insert(name, Slot { item: kind, origin });
+        Ok(())
+    }
+
+    /// The mixer kind called `name`, if one is registered.
+    pub fn mixer_kind(&self, name: &str) -> Option<Arc<dyn MixerKind>> {
+        self.mixers.get(name).map(|s| s.item.clone())
     }
 
     /// The architecture for `model_type`.
@@ -275,7 +402,16 @@ impl Registry {
             .ok_or_else(|| Error::UnknownLayerKind {
                 kind: name.to_owned(),
                 context: None,
-                known: self.kinds.keys().cloned().collect(),
+                known: {
+                    let mut k: Vec<String> = self
+                        .kinds
+                        .keys()
+                        .chain(self.mixers.keys())
+                        .cloned()
+                        .collect();
+                    k.sort();
+                    k
+                },
             })
     }
 
@@ -300,6 +436,20 @@ impl Registry {
         out.extend(self.kinds.iter().map(|(name, s)| {
             Listing {
                 what: "layer kind",
+                name: name.clone(),
+                origin: s.origin.clone(),
+                summary: s.item.summary().to_owned(),
+                config_keys: s
+                    .item
+                    .option_keys()
+                    .iter()
+                    .map(|k| (*k).to_owned())
+                    .collect(),
+            }
+        }));
+        out.extend(self.mixers.iter().map(|(name, s)| {
+            Listing {
+                what: "mixer kind",
                 name: name.clone(),
                 origin: s.origin.clone(),
                 summary: s.item.summary().to_owned(),

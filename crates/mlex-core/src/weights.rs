@@ -7,6 +7,8 @@
 //! [`WeightLoader`] hands them to layers one by one, checking each shape,
 //! and [`WeightLoader::finish`] fails if any tensor was left unused.
 
+use crate::device::Backend;
+use crate::dispatch::Dispatch;
 use crate::error::{Error, Result};
 use crate::params::{ParamId, ParamStore};
 use crate::quant::{QuantSpec, Quantization};
@@ -228,6 +230,7 @@ pub struct WeightLoader {
     map: WeightMap,
     store: ParamStore,
     quant: Quantization,
+    dispatch: Dispatch,
 }
 
 /// Up to `n` of `candidates` closest to `name`: most characters shared at
@@ -270,11 +273,28 @@ fn shape_str(shape: &[i32]) -> String {
 impl WeightLoader {
     /// Starts loading from `map` with the checkpoint's quantization.
     pub fn new(map: WeightMap, quant: Quantization) -> Self {
+        Self::with_dispatch(map, quant, Dispatch::for_backend(Backend::Cpu, false))
+    }
+
+    /// A loader whose layers take their products' form from `dispatch`
+    /// ([`WeightLoader::new`]: the CPU's defaults).
+    pub fn with_dispatch(map: WeightMap, quant: Quantization, dispatch: Dispatch) -> Self {
         Self {
             map,
             store: ParamStore::new(),
             quant,
+            dispatch,
         }
+    }
+
+    /// The backend policy layers are built with.
+    pub fn dispatch(&self) -> &Dispatch {
+        &self.dispatch
+    }
+
+    /// How a product loaded now runs.
+    pub fn product(&self) -> crate::nn::Product {
+        crate::nn::Product::of(&self.dispatch)
     }
 
     /// True when the (sanitized) tensor `name` exists and is unused.

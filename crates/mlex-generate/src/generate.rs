@@ -114,19 +114,6 @@ impl Generation {
     }
 }
 
-/// Prompt tokens per prefill step on the loaded backend. On the H200 a
-/// 4,096-token step prefills the Qwen3-0.6B-like model at 4k tokens 7.7x
-/// faster than 512 steps (232k against 30k tok/s: fewer evals, larger
-/// matrix products) and within 6% of 8,192 steps at 16k with 2.6 GB less
-/// peak memory (`docs/BENCHMARKS.md`); on the CPU the step barely matters
-/// and 512 bounds the graph's memory.
-pub fn default_prefill_chunk() -> usize {
-    match mlex_core::device::runtime_info().map(|i| i.backend) {
-        Ok(mlex_core::device::Backend::Cuda) | Ok(mlex_core::device::Backend::Metal) => 4096,
-        _ => 512,
-    }
-}
-
 /// Default [`Generator::checkpoint_every`]: a 22 MB snapshot of the
 /// Qwen3.5-like model's recurrent state per 1,024 tokens, and prefill
 /// pieces large enough that their matrix products stay efficient.
@@ -139,7 +126,8 @@ pub struct Generator {
     decoder: Option<SegmentedDecoder>,
     /// Prefix reuse across calls.
     pub prompt_cache: PromptCache,
-    /// Prompt tokens per prefill chunk.
+    /// Prompt tokens per prefill chunk (the model's dispatch's, unless
+    /// set).
     pub prefill_chunk: usize,
     /// For models with recurrent state: prefill snapshots that state every
     /// this many tokens (absolute positions), so that a later prompt that
@@ -157,11 +145,12 @@ impl Generator {
     /// Wraps `model` with an explicit compile policy (`None`: eager).
     pub fn with_policy(model: Model, policy: Option<CompilePolicy>) -> Self {
         let decoder = policy.map(|p| SegmentedDecoder::with_policy(&model, p));
+        let prefill_chunk = model.dispatch.prefill_chunk;
         Self {
             model,
             decoder,
             prompt_cache: PromptCache::new(8, 4 << 30),
-            prefill_chunk: default_prefill_chunk(),
+            prefill_chunk,
             checkpoint_every: DEFAULT_CHECKPOINT_EVERY,
         }
     }

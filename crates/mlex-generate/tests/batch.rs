@@ -68,6 +68,13 @@ fn batched_greedy_equals_one_at_a_time_on_every_architecture() {
         "nemotron_h-f32",
         "dhara-f32",
         "stablelm-f32",
+        // Not olmo3-f32: sliding-window (rotating) caches do not batch yet,
+        // and the batched engine says so (`a rotating_kv cache cannot be
+        // split into batch rows`).
+        "olmo2-f32",
+        "granite-f32",
+        "smollm3-f32",
+        "phi3-f32",
     ];
     for name in names {
         let f = fixture(name);

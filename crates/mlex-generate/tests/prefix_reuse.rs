@@ -59,6 +59,13 @@ fn a_prompt_diverging_anywhere_continues_as_a_cold_prefill() {
         "qwen3-f32",
         "qwen3_moe-f32",
         "stablelm-f32",
+        // Not olmo3-f32: its sliding-window (rotating) caches have dropped
+        // the start of the prompt, so no prefix of it is reused (its cold
+        // and warm runs agree; there is no reuse to check).
+        "olmo2-f32",
+        "granite-f32",
+        "smollm3-f32",
+        "phi3-f32",
     ];
     let c = 64;
     for name in names {

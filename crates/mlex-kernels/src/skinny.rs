@@ -5,12 +5,11 @@
 //! so a batch of 8 decoded no faster than mlx-lm's one row per sequence. The
 //! product is bandwidth-bound: [`matmul`] reads each weight once for all
 //! rows in one custom CUDA kernel (`skinny_matmul.cu`, float accumulation),
-//! one warp per output column. [`install`] makes it the dense product of
-//! `mlex_core::nn` for the row counts `Dispatch::skinny_rows` allows;
+//! one warp per output column. [`crate::with_kernels`] hands it to a
+//! `Dispatch`, whose layers use it for the row counts `skinny_rows` allows;
 //! elsewhere, and on the CPU, MLX's matmul runs unchanged.
 
 use crate::cuda::{CudaKernel, OutputSpec, TemplateArg};
-use crate::Dispatch;
 use mlex_core::error::Result;
 use mlx_rs::{ops, Array, Dtype};
 
@@ -82,13 +81,10 @@ pub const MAX_ROWS_TIMES_COLUMNS: i32 = 65_536;
 /// real-shape sweep (1,024 x 1,024 and up) gained.
 pub const MIN_WEIGHTS: i64 = 1 << 20;
 
-/// [`matmul_within`] for the rows the process's [`Dispatch`] allows, at
-/// most [`MAX_ROWS_TIMES_COLUMNS`] rows x columns and at least
-/// [`MIN_WEIGHTS`] weights.
-pub fn matmul(x: &Array, w: &Array) -> Result<Option<Array>> {
-    let Some(rows) = Dispatch::current().skinny_rows else {
-        return Ok(None);
-    };
+/// [`matmul_within`] for `rows`, at most [`MAX_ROWS_TIMES_COLUMNS`] rows x
+/// columns and at least [`MIN_WEIGHTS`] weights (a
+/// `mlex_core::dispatch::DenseProduct`).
+pub fn matmul(x: &Array, w: &Array, rows: (i32, i32)) -> Result<Option<Array>> {
     let m: i32 = x.shape().iter().rev().skip(1).product();
     if w.ndim() != 2
         || row_bucket(m).saturating_mul(w.shape()[0]) > MAX_ROWS_TIMES_COLUMNS
@@ -97,12 +93,4 @@ pub fn matmul(x: &Array, w: &Array) -> Result<Option<Array>> {
         return Ok(None);
     }
     matmul_within(x, w, rows)
-}
-
-/// Makes [`matmul`] the dense product of `mlex_core::nn` (once per
-/// process; a no-op where the dispatch turns it off).
-pub fn install() {
-    if Dispatch::current().skinny_rows.is_some() {
-        mlex_core::nn::set_dense_matmul_override(matmul);
-    }
 }

@@ -6,8 +6,9 @@
 mod common;
 
 use common::max_rel;
+use mlex_core::dispatch::Dispatch;
 use mlex_kernels::gated_delta::{self, Method, Sequence};
-use mlex_kernels::Dispatch;
+use mlex_kernels::gated_delta_method;
 use mlx_rs::{ops, random, Array};
 
 struct Inputs {
@@ -195,10 +196,10 @@ fn bad_chunk_sizes_are_errors() {
 
 #[test]
 fn dispatch_chunks_long_sequences_only() {
-    let d = Dispatch::for_backend(mlex_core::device::Backend::Cpu);
-    assert_eq!(d.gated_delta_method(1), Method::Recurrent);
+    let d = Dispatch::for_backend(mlex_core::device::Backend::Cpu, false);
+    assert_eq!(gated_delta_method(&d, 1), Method::Recurrent);
     assert!(matches!(
-        d.gated_delta_method(4096),
+        gated_delta_method(&d, 4096),
         Method::Chunked { chunk } if chunk.is_power_of_two()
     ));
 }

@@ -1,9 +1,10 @@
 //! # mlex-models
 //!
-//! The architectures and layer kinds of mlex. Every built-in architecture
-//! is a spec (`architectures/<model_type>.toml`, [`spec`]) embedded at
-//! build time; each layer kind in [`layers`] registers with
-//! [`mlex_core::register_layer_kind!`]. A new architecture, hybrid or not,
+//! The architectures, blocks and mixers of mlex. Every built-in
+//! architecture is a spec (`architectures/<model_type>.toml`, [`spec`])
+//! embedded at build time. A layer is a [`block`] (norms, residuals, a
+//! feed-forward) around a mixer from [`layers`], each registered with
+//! [`mlex_core::register_mixer_kind!`]. A new architecture, hybrid or not,
 //! is one more spec file: no Rust.
 //!
 //! [`registry()`] gives every registered layer kind and architecture, the
@@ -12,6 +13,7 @@
 //! Face repo id in the local cache).
 #![deny(missing_docs)]
 
+pub mod block;
 pub mod gguf;
 mod gguf_file;
 pub mod layers;
@@ -59,8 +61,6 @@ pub fn add_toml_path(registry: &mut Registry, path: &Path) -> Result<()> {
 /// Builds a registry: everything registered in linked crates, the bundled
 /// TOML architectures, then `extra` TOML files or directories.
 pub fn build_registry(extra: &[PathBuf]) -> Result<Registry> {
-    // The layers' dense products take the few-row kernel where it is faster.
-    mlex_kernels::skinny::install();
     let mut r = Registry::from_inventory()?;
     for (name, text) in spec::BUILTIN {
         add_toml_architecture(&mut r, text, Path::new(name))?;
@@ -71,15 +71,22 @@ pub fn build_registry(extra: &[PathBuf]) -> Result<Registry> {
     Ok(r)
 }
 
+/// The backend policy of this process: the loaded backend's defaults, the
+/// `MLEX_` variables ([`mlex_core::dispatch::Dispatch::from_env`]) and this
+/// workspace's kernels. The command line may change it before loading.
+pub fn dispatch() -> Result<mlex_core::dispatch::Dispatch> {
+    Ok(mlex_kernels::with_kernels(
+        mlex_core::dispatch::Dispatch::from_env()?,
+    ))
+}
+
 /// The process-wide registry: [`build_registry`] with the paths in
 /// `$MLEX_ARCH_PATH` (separated like `$PATH`).
 pub fn registry() -> Result<&'static Registry> {
     static REGISTRY: OnceLock<std::result::Result<Registry, String>> = OnceLock::new();
     REGISTRY
         .get_or_init(|| {
-            let extra: Vec<PathBuf> = std::env::var_os("MLEX_ARCH_PATH")
-                .map(|v| std::env::split_paths(&v).collect())
-                .unwrap_or_default();
+            let extra = mlex_core::dispatch::arch_path();
             build_registry(&extra).map_err(|e| e.to_string())
         })
         .as_ref()

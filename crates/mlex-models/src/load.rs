@@ -5,6 +5,7 @@
 
 use crate::gguf::{self, GgufTokenizer};
 use mlex_core::config::ModelConfig;
+use mlex_core::dispatch::Dispatch;
 use mlex_core::error::{Error, Result};
 use mlex_core::model::Model;
 use mlex_core::registry::Registry;
@@ -318,6 +319,11 @@ pub fn fingerprint(model: &Model) -> Result<String> {
 
 /// Loads the model at `spec` with the architectures of `registry`.
 pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
+    load_with(spec, registry, &crate::dispatch()?)
+}
+
+/// [`load`] with the backend policy `dispatch` (the command line's).
+pub fn load_with(spec: &str, registry: &Registry, dispatch: &Dispatch) -> Result<LoadedModel> {
     let (source, origin) = resolve(spec)?;
     let (config, weights, gguf_tokenizer, gguf_tensor_types) = match &source {
         ModelSource::Dir(dir) => {
@@ -348,7 +354,7 @@ pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
     let arch = registry
         .architecture(config.model_type()?)
         .map_err(|e| with_file(e, config.file()))?;
-    let model = Model::build(arch.as_ref(), &config, weights, registry)?;
+    let model = Model::build(arch.as_ref(), &config, weights, registry, dispatch)?;
     let fingerprint = fingerprint(&model)?;
     Ok(LoadedModel {
         model,

@@ -74,6 +74,7 @@ pub fn quantize(
         weights,
         quantization,
         registry,
+        &model.dispatch,
     )
 }
 
@@ -142,6 +143,7 @@ pub fn dequantize(
         weights,
         Quantization::default(),
         registry,
+        &model.dispatch,
     )
     .map(Some)
 }

@@ -106,3 +106,42 @@ pub fn split_gate_up(weights: &mut WeightMap, prefix: &str) -> Result<()> {
     weights.insert(format!("{prefix}.switch_mlp.down_proj.weight"), d, f);
     Ok(())
 }
+
+/// `name` with the dotted parts `from` replaced by `to` where they stand as
+/// whole parts (`a.from.b`, `from.b`, `a.from`); other names unchanged.
+pub fn rename_part(name: &str, from: &str, to: &str) -> String {
+    let padded = format!(".{name}.");
+    let needle = format!(".{from}.");
+    match padded.find(&needle) {
+        Some(at) => {
+            let out = format!("{}.{to}.{}", &padded[..at], &padded[at + needle.len()..]);
+            out[1..out.len() - 1].to_owned()
+        }
+        None => name.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod rename_part_tests {
+    use super::rename_part;
+
+    #[test]
+    fn renames_whole_parts_only() {
+        let r = |n: &str| rename_part(n, "mlp.gate_up_proj", "mlp.gate_proj+up_proj");
+        assert_eq!(
+            r("model.layers.0.mlp.gate_up_proj.weight"),
+            "model.layers.0.mlp.gate_proj+up_proj.weight"
+        );
+        assert_eq!(r("mlp.gate_up_proj.weight"), "mlp.gate_proj+up_proj.weight");
+        assert_eq!(r("x.mlp.gate_up_proj"), "x.mlp.gate_proj+up_proj");
+        // Not a whole part: unchanged.
+        assert_eq!(
+            r("x.mlp.gate_up_projection.weight"),
+            "x.mlp.gate_up_projection.weight"
+        );
+        assert_eq!(
+            r("x.smlp.gate_up_proj.weight"),
+            "x.smlp.gate_up_proj.weight"
+        );
+    }
+}

@@ -18,15 +18,23 @@
 //! - `[model]`: embedding, layer, final-norm and head weight prefixes, tied
 //!   head, sizes, context limit, logit soft-cap;
 //! - `[layers]`: the pattern (repeating list, interval rule or per-layer
-//!   codes from a config key), the per-layer MLP/MoE choice, and `where`
-//!   rules that set options on the layers a config list names;
-//! - `[kinds.<kind>]`: the options of each layer kind, the kind's own typed
-//!   struct (an unknown option is an error naming it);
+//!   codes from a config key) of layer names, the per-layer feed-forward
+//!   choice, and `where` rules that set mixer options on the layers a
+//!   config list names;
+//! - `[block]`: the options of every layer's block
+//!   ([`crate::block::BlockOptions`]: norms, feed-forward, multipliers);
+//!   `[blocks.<name>]`: what differs for the layers called `<name>`,
+//!   including `mixer` (a registered mixer, or `"none"`);
+//! - `[kinds.<kind>]`: the options of each mixer (or whole-layer) kind, the
+//!   kind's own typed struct (an unknown option is an error naming it);
 //! - `[[sanitize]]`: the weight translation steps, in order.
 //!
-//! Any string value `"$name"` in `[model]`, `[layers]` or `[kinds]` is the
-//! parameter `name`; an option whose parameter is absent (optional, or
-//! gated off) is left out, so the kind's default applies.
+//! A layer name is a block around the mixer of that name unless
+//! `[blocks.<name>]` says which mixer; a name that is a registered
+//! whole-layer kind (a downstream crate's) builds that kind instead. Any
+//! string value `"$name"` in `[model]`, `[layers]`, `[block]`, `[blocks]` or
+//! `[kinds]` is the parameter `name`; an option whose parameter is absent
+//! (optional, or gated off) is left out, so the default applies.
 
 use mlex_core::arch::{Architecture, HeadPlan, LayerPlan, ModelPlan};
 use mlex_core::config::ModelConfig;
@@ -80,7 +88,13 @@ pub struct ArchSpec {
     pub model: Option<ModelSpec>,
     /// The layer stack.
     pub layers: LayersSpec,
-    /// Options per layer kind.
+    /// Block options of every layer.
+    #[serde(default)]
+    pub block: toml::Table,
+    /// Block options by layer name, over `block`.
+    #[serde(default)]
+    pub blocks: BTreeMap<String, toml::Table>,
+    /// Options per mixer (or whole-layer) kind.
     #[serde(default)]
     pub kinds: BTreeMap<String, toml::Table>,
     /// Weight translation, in order.
@@ -236,6 +250,12 @@ pub struct ModelSpec {
     /// `c * tanh(logits / c)` when set and positive.
     #[serde(default)]
     pub logit_softcap: Option<toml::Value>,
+    /// Embedded tokens multiplied by this (Granite).
+    #[serde(default)]
+    pub embedding_multiplier: Option<toml::Value>,
+    /// Logits divided by this (Granite).
+    #[serde(default)]
+    pub logits_scaling: Option<toml::Value>,
 }
 
 /// The layer stack.
@@ -254,10 +274,10 @@ pub struct LayersSpec {
     /// One code per layer from a config string or list.
     #[serde(default)]
     pub codes: Option<CodesRule>,
-    /// The feed-forward of `attention`/`gated_delta` layers: a fixed kind
-    /// or a MoE rule.
+    /// The feed-forward of the blocks whose `[blocks.<name>]` does not set
+    /// `ffn`: a fixed kind or a MoE rule.
     #[serde(default)]
-    pub mlp: Option<MlpRule>,
+    pub ffn: Option<MlpRule>,
     /// Options set on the layers a config list marks.
     #[serde(default, rename = "where")]
     pub where_: Vec<WhereRule>,
@@ -319,10 +339,10 @@ pub struct MoeRule {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WhereRule {
-    /// A string-list parameter, one entry per layer.
+    /// A list parameter, one entry per layer.
     pub list: String,
-    /// The entry that selects a layer.
-    pub equals: String,
+    /// The entry that selects a layer (a string, number or boolean).
+    pub equals: toml::Value,
     /// Options set on the selected layers.
     pub options: toml::Table,
 }
@@ -346,6 +366,13 @@ pub struct SanitizeStep {
     /// Prefix every name that does not start with it already.
     #[serde(default)]
     pub add_prefix: Option<String>,
+    /// Rename a run of dotted name parts wherever it stands, `[from, to]`:
+    /// `["mlp.gate_up_proj", "mlp.gate_proj+up_proj"]` turns
+    /// `model.layers.0.mlp.gate_up_proj.weight` into
+    /// `model.layers.0.mlp.gate_proj+up_proj.weight` (a fused name mlex
+    /// loads as one product).
+    #[serde(default)]
+    pub rename_part: Option<[String; 2]>,
     /// PyTorch conv `[C, 1, K]` → MLX `[C, K, 1]` for `*{x}*weight`.
     #[serde(default)]
     pub conv_to_mlx: Option<String>,
@@ -382,12 +409,22 @@ pub struct StackExperts {
     pub names: Vec<[String; 2]>,
 }
 
+/// What builds the layers of one name.
+#[derive(Clone, Debug)]
+enum LayerTarget {
+    /// A block around this mixer (`None`: no mixer).
+    Block(Option<String>),
+    /// A registered whole-layer kind.
+    Kind,
+}
+
 /// A spec built against a registry: an [`Architecture`].
 pub struct SpecArchitecture {
     spec: ArchSpec,
     table: toml::Table,
     model_type: String,
     summary: String,
+    targets: BTreeMap<String, LayerTarget>,
 }
 
 /// `file:line:column` of byte `offset` in `text` (both 1-based, columns in
@@ -547,6 +584,27 @@ pub const BUILTIN: &[(&str, &str)] = &[
         "architectures/stablelm.toml",
         include_str!("../architectures/stablelm.toml"),
     ),
+    (
+        "architectures/olmo2.toml",
+        include_str!("../architectures/olmo2.toml"),
+    ),
+    // After olmo2 and llama, which they extend.
+    (
+        "architectures/olmo3.toml",
+        include_str!("../architectures/olmo3.toml"),
+    ),
+    (
+        "architectures/granite.toml",
+        include_str!("../architectures/granite.toml"),
+    ),
+    (
+        "architectures/smollm3.toml",
+        include_str!("../architectures/smollm3.toml"),
+    ),
+    (
+        "architectures/phi3.toml",
+        include_str!("../architectures/phi3.toml"),
+    ),
 ];
 
 impl SpecArchitecture {
@@ -617,7 +675,7 @@ impl SpecArchitecture {
                 "only a spec that `extends` another can replace its entries",
             ));
         }
-        check(&spec, text, file, registry)?;
+        let targets = check(&spec, text, file, registry)?;
         let summary = spec.summary.clone().unwrap_or_else(|| {
             format!(
                 "spec {}{}",
@@ -633,6 +691,7 @@ impl SpecArchitecture {
             summary,
             spec: spec.clone(),
             table: table.clone(),
+            targets: targets.clone(),
         }];
         for a in &spec.also {
             out.push(SpecArchitecture {
@@ -640,29 +699,165 @@ impl SpecArchitecture {
                 summary: a.summary.clone(),
                 spec: spec.clone(),
                 table: table.clone(),
+                targets: targets.clone(),
             });
         }
         Ok(out)
     }
 }
 
-/// Static checks with locations: every kind is registered, every
-/// `"$param"` is declared, one pattern rule, a model section.
-fn check(spec: &ArchSpec, text: &str, file: &Path, registry: &Registry) -> Result<()> {
-    let at = |needle: &str| {
-        text.find(needle)
-            .map(|o| location(file, text, o))
-            .unwrap_or_else(|| file.display().to_string())
+/// A spec's text, for locating what a check names.
+struct Located<'a> {
+    text: &'a str,
+    file: &'a Path,
+}
+
+impl Located<'_> {
+    /// `file:line:column` of the first `needle`, else the file.
+    fn at(&self, needle: &str) -> String {
+        self.text
+            .find(needle)
+            .map(|o| location(self.file, self.text, o))
+            .unwrap_or_else(|| self.file.display().to_string())
+    }
+
+    /// Where the key `key` starts a line, else [`Located::at`].
+    fn key(&self, key: &str) -> String {
+        self.text
+            .find(&format!("\n{key}"))
+            .map(|o| location(self.file, self.text, o + 1))
+            .unwrap_or_else(|| self.at(key))
+    }
+}
+
+/// An unknown layer or mixer name, with the registered ones.
+fn unknown_kind(registry: &Registry, kind: &str, context: String) -> Error {
+    match registry.layer_kind(kind) {
+        Err(Error::UnknownLayerKind { kind: k, known, .. }) => Error::UnknownLayerKind {
+            kind: k,
+            context: Some(context),
+            known,
+        },
+        Err(e) => e,
+        Ok(_) => Error::Other(format!("{context}: `{kind}`")),
+    }
+}
+
+/// Static checks with locations: every layer name is a block of a
+/// registered mixer or a registered kind, every option is one its struct
+/// takes, every `"$param"` is declared, one pattern rule, a model section.
+/// Returns what builds each layer name.
+fn check(
+    spec: &ArchSpec,
+    text: &str,
+    file: &Path,
+    registry: &Registry,
+) -> Result<BTreeMap<String, LayerTarget>> {
+    let loc = Located { text, file };
+    check_block_tables(spec, &loc)?;
+    let targets = layer_targets(spec, &loc, registry)?;
+    check_kind_options(spec, &loc, registry)?;
+    if spec.model.is_none() {
+        return Err(spec_error(
+            &file.display().to_string(),
+            "model",
+            "missing: a spec needs a [model] section (or `extends` a spec that has one)",
+        ));
+    }
+    for name in spec.blocks.keys() {
+        if !targets.contains_key(name) {
+            return Err(spec_error(
+                &loc.at(&format!("blocks.{name}")),
+                &format!("blocks.{name}"),
+                "no layer of the pattern has this name",
+            ));
+        }
+    }
+    // Every "$param" must be declared.
+    for r in spec.refs() {
+        let name = r.trim_start_matches('$');
+        if !spec.params.contains_key(name) {
+            let known: Vec<&str> = spec.params.keys().map(String::as_str).collect();
+            return Err(spec_error(
+                &loc.at(&r),
+                &r,
+                format!(
+                    "`{name}` is not a declared parameter (add it under [params]; declared: {})",
+                    known.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(targets)
+}
+
+/// `[block]` and `[blocks.<name>]` hold only block options (and `mixer` in
+/// the latter).
+fn check_block_tables(spec: &ArchSpec, loc: &Located<'_>) -> Result<()> {
+    let block_keys = mlex_core::config::struct_fields::<crate::block::BlockOptions>();
+    let check_table = |t: &toml::Table, path: &str| -> Result<()> {
+        if let Some(bad) = t
+            .keys()
+            .find(|k| *k == "mixer_options" || !block_keys.contains(&k.as_str()))
+        {
+            let known: Vec<&str> = block_keys
+                .iter()
+                .filter(|k| **k != "mixer_options")
+                .copied()
+                .collect();
+            return Err(spec_error(
+                &loc.key(bad),
+                &format!("{path}.{bad}"),
+                format!(
+                    "a block has no option `{bad}` (its options: {}; a mixer's options go under [kinds.<mixer>])",
+                    known.join(", ")
+                ),
+            ));
+        }
+        Ok(())
     };
-    let kind_known = |kind: &str, context: String| -> Result<()> {
-        registry.layer_kind(kind).map(|_| ()).map_err(|e| match e {
-            Error::UnknownLayerKind { kind: k, known, .. } => Error::UnknownLayerKind {
-                kind: k,
-                context: Some(context),
-                known,
-            },
-            e => e,
-        })
+    check_table(&spec.block, "block")?;
+    if spec.block.contains_key("mixer") {
+        return Err(spec_error(
+            &loc.at("mixer"),
+            "block.mixer",
+            "the mixer is the layer's name or [blocks.<name>].mixer, not an option of every block",
+        ));
+    }
+    for (name, t) in &spec.blocks {
+        check_table(t, &format!("blocks.{name}"))?;
+    }
+    Ok(())
+}
+
+/// What builds each layer name of the pattern rule: a block around a
+/// mixer, or a registered whole-layer kind.
+fn layer_targets(
+    spec: &ArchSpec,
+    loc: &Located<'_>,
+    registry: &Registry,
+) -> Result<BTreeMap<String, LayerTarget>> {
+    let at = |needle: &str| loc.at(needle);
+    let mut targets: BTreeMap<String, LayerTarget> = BTreeMap::new();
+    let mut target_of = |name: &str, context: String| -> Result<()> {
+        let target = match spec.blocks.get(name).and_then(|t| t.get("mixer")) {
+            Some(toml::Value::String(m)) if m == "none" => LayerTarget::Block(None),
+            Some(toml::Value::String(m)) if registry.mixer_kind(m).is_some() => {
+                LayerTarget::Block(Some(m.clone()))
+            }
+            Some(m) => {
+                let m = m.as_str().unwrap_or("");
+                let context = format!("{}: blocks.{name}.mixer", at(m));
+                return Err(unknown_kind(registry, m, context));
+            }
+            None if registry.mixer_kind(name).is_some() => {
+                LayerTarget::Block(Some(name.to_owned()))
+            }
+            None if registry.layer_kind(name).is_ok() => LayerTarget::Kind,
+            None => return Err(unknown_kind(registry, name, context)),
+        };
+        targets.insert(name.to_owned(), target);
+        Ok(())
     };
     let l = &spec.layers;
     let rules = [l.pattern.is_some(), l.interval.is_some(), l.codes.is_some()]
@@ -679,11 +874,12 @@ fn check(spec: &ArchSpec, text: &str, file: &Path, registry: &Registry) -> Resul
     if let Some(p) = &l.pattern {
         if p.is_empty() {
             // Point at the empty list itself.
-            let list = text
+            let list = loc
+                .text
                 .find("pattern")
-                .and_then(|o| text[o..].find('[').map(|b| o + b))
-                .map(|o| location(file, text, o))
-                .unwrap_or_else(|| file.display().to_string());
+                .and_then(|o| loc.text[o..].find('[').map(|b| o + b))
+                .map(|o| location(loc.file, loc.text, o))
+                .unwrap_or_else(|| loc.file.display().to_string());
             return Err(spec_error(
                 &list,
                 "layers.pattern",
@@ -691,59 +887,46 @@ fn check(spec: &ArchSpec, text: &str, file: &Path, registry: &Registry) -> Resul
             ));
         }
         for (i, k) in p.iter().enumerate() {
-            kind_known(
+            target_of(
                 k,
                 format!("{}: layers.pattern[{i}]", at(&format!("\"{k}\""))),
             )?;
         }
     }
     if let Some(r) = &l.interval {
-        kind_known(&r.on, format!("{}: layers.interval.on", at(&r.on)))?;
-        kind_known(&r.off, format!("{}: layers.interval.off", at(&r.off)))?;
+        target_of(&r.on, format!("{}: layers.interval.on", at(&r.on)))?;
+        target_of(&r.off, format!("{}: layers.interval.off", at(&r.off)))?;
     }
     if let Some(c) = &l.codes {
         for (code, kind) in &c.map {
-            kind_known(kind, format!("{}: layers.codes.map.{code}", at(kind)))?;
+            target_of(kind, format!("{}: layers.codes.map.{code}", at(kind)))?;
         }
     }
+    Ok(targets)
+}
+
+/// Every `[kinds.<kind>]` names a registered mixer or layer kind and holds
+/// only options its struct takes.
+fn check_kind_options(spec: &ArchSpec, loc: &Located<'_>, registry: &Registry) -> Result<()> {
     for (kind, options) in &spec.kinds {
-        kind_known(kind, format!("{}: [kinds.{kind}]", at(kind)))?;
-        let keys = registry.layer_kind(kind)?.option_keys();
+        let keys = match (registry.mixer_kind(kind), registry.layer_kind(kind)) {
+            (Some(m), _) => m.option_keys(),
+            (None, Ok(k)) => k.option_keys(),
+            (None, Err(_)) => {
+                let context = format!("{}: [kinds.{kind}]", loc.at(kind));
+                return Err(unknown_kind(registry, kind, context));
+            }
+        };
         if keys.is_empty() {
             continue;
         }
         if let Some(bad) = options.keys().find(|k| !keys.contains(&k.as_str())) {
             return Err(spec_error(
-                &text
-                    .find(&format!("\n{bad}"))
-                    .map(|o| location(file, text, o + 1))
-                    .unwrap_or_else(|| at(bad)),
+                &loc.key(bad),
                 &format!("kinds.{kind}.{bad}"),
                 format!(
                     "`{kind}` has no option `{bad}` (its options: {})",
                     keys.join(", ")
-                ),
-            ));
-        }
-    }
-    if spec.model.is_none() {
-        return Err(spec_error(
-            &file.display().to_string(),
-            "model",
-            "missing: a spec needs a [model] section (or `extends` a spec that has one)",
-        ));
-    }
-    // Every "$param" must be declared.
-    for r in spec.refs() {
-        let name = r.trim_start_matches('$');
-        if !spec.params.contains_key(name) {
-            let known: Vec<&str> = spec.params.keys().map(String::as_str).collect();
-            return Err(spec_error(
-                &at(&r),
-                &r,
-                format!(
-                    "`{name}` is not a declared parameter (add it under [params]; declared: {})",
-                    known.join(", ")
                 ),
             ));
         }
@@ -764,6 +947,8 @@ impl ArchSpec {
                     .chain(&m.tie)
                     .chain(&m.max_context)
                     .chain(&m.logit_softcap)
+                    .chain(&m.embedding_multiplier)
+                    .chain(&m.logits_scaling)
                     .cloned(),
             );
         }
@@ -771,7 +956,7 @@ impl ArchSpec {
         values.extend(l.count.iter().cloned());
         values.extend(l.interval.iter().map(|r| r.every.clone()));
         values.extend(l.codes.iter().map(|c| text(&c.from)));
-        if let Some(MlpRule::Moe(m)) = &l.mlp {
+        if let Some(MlpRule::Moe(m)) = &l.ffn {
             values.push(m.experts.clone());
             values.extend(m.sparse_step.iter().chain(&m.dense_layers).cloned());
         }
@@ -780,6 +965,8 @@ impl ArchSpec {
             values.push(toml::Value::Table(w.options.clone()));
         }
         values.extend(self.kinds.values().cloned().map(toml::Value::Table));
+        values.push(toml::Value::Table(self.block.clone()));
+        values.extend(self.blocks.values().cloned().map(toml::Value::Table));
         for st in &self.sanitize {
             values.extend(st.when.iter().map(|w| text(w)));
             values.extend(st.stack_experts.iter().map(|se| se.experts.clone()));
@@ -837,6 +1024,15 @@ fn lookup<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
     path.split('.')
         .try_fold(v, |v, k| v.get(k))
         .filter(|v| !v.is_null())
+}
+
+/// A `where` rule's `equals` against a list entry: numbers by value
+/// (`0` equals `0.0`), anything else exactly.
+fn same_entry(entry: &Value, equals: &Value) -> bool {
+    match (entry.as_f64(), equals.as_f64()) {
+        (Some(a), Some(b)) => a == b,
+        _ => entry == equals,
+    }
 }
 
 fn to_json(v: &toml::Value) -> Value {
@@ -1142,9 +1338,6 @@ impl SpecArchitecture {
     }
 }
 
-/// Kinds whose options hold a feed-forward choice (`mlp`).
-const MLP_KINDS: &[&str] = &["attention", "gated_delta"];
-
 impl Architecture for SpecArchitecture {
     fn name(&self) -> &str {
         &self.model_type
@@ -1166,15 +1359,15 @@ impl Architecture for SpecArchitecture {
         let m = self.spec.model.as_ref().expect("checked: a model section");
         let kinds = self.kinds_of_layers(&r)?;
         let l = &self.spec.layers;
-        let moe_layers: Option<Vec<bool>> = match &l.mlp {
+        let moe_layers: Option<Vec<bool>> = match &l.ffn {
             Some(MlpRule::Moe(rule)) => {
                 let experts = match r.value(&rule.experts) {
-                    Some(_) => r.at_least(&rule.experts, "layers.mlp.experts", 0)?,
+                    Some(_) => r.at_least(&rule.experts, "layers.ffn.experts", 0)?,
                     None => 0,
                 };
                 let step = match &rule.sparse_step {
                     Some(v) if r.value(v).is_some() => {
-                        r.at_least(v, "layers.mlp.sparse_step", 1)? as i64
+                        r.at_least(v, "layers.ffn.sparse_step", 1)? as i64
                     }
                     _ => 1,
                 };
@@ -1199,7 +1392,7 @@ impl Architecture for SpecArchitecture {
             }
             _ => None,
         };
-        let where_lists: Vec<(Vec<String>, &WhereRule)> = l
+        let where_lists: Vec<(Vec<Value>, Value, &WhereRule)> = l
             .where_
             .iter()
             .map(|w| {
@@ -1208,62 +1401,94 @@ impl Architecture for SpecArchitecture {
                     .get(w.list.trim_start_matches('$'))
                     .cloned()
                     .flatten()
-                    .and_then(|v| {
-                        v.as_array().map(|a| {
-                            a.iter()
-                                .map(|x| x.as_str().unwrap_or("").to_owned())
-                                .collect()
-                        })
-                    })
+                    .and_then(|v| v.as_array().cloned())
                     .unwrap_or_default();
-                (list, w)
+                (list, to_json(&w.equals), w)
             })
             .collect();
+        let resolve = |t: &toml::Table| {
+            r.value(&toml::Value::Table(t.clone()))
+                .unwrap_or(Value::Null)
+        };
         let mut layers = Vec::with_capacity(kinds.len());
-        for (i, kind) in kinds.into_iter().enumerate() {
-            let mut options = match self.spec.kinds.get(&kind) {
-                Some(t) => r
-                    .value(&toml::Value::Table(t.clone()))
-                    .unwrap_or(Value::Null),
+        for (i, name) in kinds.into_iter().enumerate() {
+            let target = self
+                .targets
+                .get(&name)
+                .cloned()
+                .unwrap_or(LayerTarget::Kind);
+            let kind_options = |kind: &str| match self.spec.kinds.get(kind) {
+                Some(t) => resolve(t),
                 None => Value::Object(Map::new()),
             };
-            if MLP_KINDS.contains(&kind.as_str()) {
-                let mlp = match &l.mlp {
-                    Some(MlpRule::Fixed(k)) => Some(k.clone()),
-                    Some(MlpRule::Moe(rule)) => {
-                        Some(if moe_layers.as_ref().is_some_and(|v| v[i]) {
-                            rule.moe.clone()
-                        } else {
-                            rule.dense.clone()
-                        })
-                    }
-                    None => None,
-                };
-                if let (Some(mlp), Some(o)) = (mlp, options.as_object_mut()) {
-                    o.insert("mlp".into(), Value::String(mlp));
-                }
-            }
-            for (list, w) in &where_lists {
-                if list.get(i).is_some_and(|x| x == &w.equals) {
-                    if let (Some(extra), Some(o)) = (
-                        r.value(&toml::Value::Table(w.options.clone())),
-                        options.as_object_mut(),
-                    ) {
-                        if let Some(e) = extra.as_object() {
-                            for (k, v) in e {
-                                o.insert(k.clone(), v.clone());
-                            }
-                        }
+            // The mixer's (or whole kind's) options, with the `where` rules'.
+            let mut options = match &target {
+                LayerTarget::Block(Some(mixer)) => kind_options(mixer),
+                LayerTarget::Block(None) => Value::Object(Map::new()),
+                LayerTarget::Kind => kind_options(&name),
+            };
+            for (list, equals, w) in &where_lists {
+                if list.get(i).is_some_and(|x| same_entry(x, equals)) {
+                    if let (Value::Object(extra), Some(o)) =
+                        (resolve(&w.options), options.as_object_mut())
+                    {
+                        o.extend(extra);
                     }
                 }
             }
+            let LayerTarget::Block(mixer) = target else {
+                layers.push(LayerPlan {
+                    kind: name.clone(),
+                    name,
+                    prefix: format!("{}.{i}", m.layers),
+                    options,
+                });
+                continue;
+            };
+            let own = self.spec.blocks.get(&name);
+            let mut block = match resolve(&self.spec.block) {
+                Value::Object(o) => o,
+                _ => Map::new(),
+            };
+            if let Some(Value::Object(o)) = own.map(resolve) {
+                block.extend(o);
+            }
+            let ffn = match &l.ffn {
+                _ if own.is_some_and(|t| t.contains_key("ffn")) => None,
+                Some(MlpRule::Fixed(k)) => Some(k.clone()),
+                Some(MlpRule::Moe(rule)) => Some(if moe_layers.as_ref().is_some_and(|v| v[i]) {
+                    rule.moe.clone()
+                } else {
+                    rule.dense.clone()
+                }),
+                None => None,
+            };
+            if let Some(ffn) = ffn {
+                block.insert("ffn".into(), Value::String(ffn));
+            }
+            block.insert("mixer".into(), mixer.map_or(Value::Null, Value::String));
+            block.insert("mixer_options".into(), options);
             layers.push(LayerPlan {
-                kind,
+                name,
+                kind: "block".into(),
                 prefix: format!("{}.{i}", m.layers),
-                options,
+                options: Value::Object(block),
             });
         }
         let tie = m.tie.as_ref().is_some_and(|t| r.flag(t));
+        // A multiplier or divisor: absent, or a finite number other than 0.
+        let factor = |v: &Option<toml::Value>, what: &str| -> Result<Option<f32>> {
+            let Some(v) = v.as_ref().filter(|v| r.value(v).is_some()) else {
+                return Ok(None);
+            };
+            let x = r.float(v, what)?;
+            if !x.is_finite() || x == 0.0 {
+                return Err(r
+                    .config
+                    .error(&r.key_of(v, what), "must be a finite number other than 0"));
+            }
+            Ok(Some(x as f32))
+        };
         let softcap = match &m.logit_softcap {
             Some(v) => r.value(v).and_then(|x| x.as_f64()).filter(|c| *c > 0.0),
             None => None,
@@ -1282,6 +1507,8 @@ impl Architecture for SpecArchitecture {
                 HeadPlan::Linear(m.head.clone())
             },
             logit_softcap: softcap.map(|c| c as f32),
+            embedding_multiplier: factor(&m.embedding_multiplier, "embedding_multiplier")?,
+            logits_scaling: factor(&m.logits_scaling, "logits_scaling")?,
             max_context: match &m.max_context {
                 Some(v) => r.value(v).and_then(|x| x.as_u64()).map(|n| n as usize),
                 None => None,
@@ -1332,6 +1559,9 @@ impl Architecture for SpecArchitecture {
                         None => n.to_owned(),
                     })
                 })?;
+            }
+            if let Some([from, to]) = &s.rename_part {
+                weights.rename_all(|n| Some(steps::rename_part(n, from, to)))?;
             }
             if let Some(p) = &s.add_prefix {
                 weights.rename_all(|n| {

@@ -748,6 +748,42 @@ fn broken_specs_say_where_and_what() {
         e.contains("bad.toml:") && e.contains("no option `gatd`") && e.contains("gated"),
         "{e}"
     );
+    // Block options: an unknown one is located and the block's listed (a
+    // mixer's option put in the block says where it goes); a block naming
+    // an unregistered mixer, a [blocks.X] no layer is called, and a mixer
+    // set for every block are errors too.
+    let e = build(&base.replace("[blocks.mamba2]\n", "[blocks.mamba2]\ngated = true\n"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("bad.toml:")
+            && e.contains("blocks.mamba2.gated")
+            && e.contains("ffn_norm")
+            && e.contains("[kinds.<mixer>]"),
+        "{e}"
+    );
+    let e = build(&base.replace("[blocks.mamba2]\n", "[blocks.mamba2]\nmixer = \"mamba3\"\n"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("mamba3") && e.contains("blocks.mamba2.mixer") && e.contains("gated_delta"),
+        "{e}"
+    );
+    let e = build(&base.replace("[blocks.mamba2]", "[blocks.mamba]"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("blocks.mamba") && e.contains("no layer of the pattern"),
+        "{e}"
+    );
+    let e = build(&base.replace("[block]\n", "[block]\nmixer = \"attention\"\n"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("block.mixer"), "{e}");
     // The specs below parse; their errors come when a checkpoint is read.
     let f = fixture("hybrid_mix-f32");
     let load_with = |text: &str, edit: &dyn Fn(&mut serde_json::Value)| -> String {

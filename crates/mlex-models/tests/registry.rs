@@ -51,27 +51,57 @@ fn a_duplicate_registration_fails_naming_both_origins() {
 }
 
 #[test]
-fn adding_a_taken_layer_kind_name_is_an_error() {
+fn adding_a_taken_layer_or_mixer_kind_name_is_an_error() {
     let mut r = Registry::new();
-    let kind = mlex_models::layers::mlp::MlpKind;
-    r.add_layer_kind(Arc::new(kind), "first").unwrap();
+    r.add_layer_kind(Arc::new(mlex_models::block::BlockKind), "first")
+        .unwrap();
     let e = r
-        .add_layer_kind(Arc::new(mlex_models::layers::mlp::MlpKind), "second")
+        .add_layer_kind(Arc::new(mlex_models::block::BlockKind), "second")
         .unwrap_err();
     assert!(
         e.to_string().contains("first") && e.to_string().contains("second"),
         "{e}"
     );
+    // A spec names mixers and layer kinds alike: one name, one thing.
+    let mamba = || Arc::new(mlex_models::layers::mamba2::Mamba2Kind);
+    r.add_mixer_kind(mamba(), "third").unwrap();
+    let e = r.add_mixer_kind(mamba(), "fourth").unwrap_err().to_string();
+    assert!(e.contains("third") && e.contains("fourth"), "{e}");
+    struct Named;
+    impl mlex_core::layer::LayerKind for Named {
+        fn name(&self) -> &'static str {
+            "mamba2"
+        }
+        fn state(&self) -> mlex_core::layer::StateKind {
+            mlex_core::layer::StateKind::None
+        }
+        fn summary(&self) -> &'static str {
+            ""
+        }
+        fn build(
+            &self,
+            _: &mut mlex_core::layer::BuildCtx<'_>,
+        ) -> mlex_core::error::Result<Box<dyn mlex_core::layer::Layer>> {
+            unreachable!()
+        }
+    }
+    let e = r
+        .add_layer_kind(Arc::new(Named), "fifth")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("third") && e.contains("fifth"), "{e}");
 }
 
 #[test]
 fn unknown_names_list_what_is_registered() {
     let mut r = Registry::new();
-    r.add_layer_kind(
+    r.add_mixer_kind(
         Arc::new(mlex_models::layers::attention::AttentionKind),
         "here",
     )
     .unwrap();
+    r.add_layer_kind(Arc::new(mlex_models::block::BlockKind), "here")
+        .unwrap();
     let (file, text) = mlex_models::spec::BUILTIN[0];
     mlex_models::add_toml_architecture(&mut r, text, std::path::Path::new(file)).unwrap();
     let e = r.architecture("gpt9").err().unwrap().to_string();

@@ -78,7 +78,7 @@ impl Layer for GatedMlp {
     fn make_caches(&self, _batch: usize, _dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         Ok(Vec::new())
     }
-    fn head(&self, p: &Params, x: &Array, _state: &mut [Array]) -> Result<Carry> {
+    fn before_cache(&self, p: &Params, x: &Array, _state: &mut [Array]) -> Result<Carry> {
         let y = self.up.forward(p, &self.norm.forward(p, x)?)?;
         let g = ops::sigmoid(p.get(self.gate)?)?;
         Ok(vec![ops::add(x, ops::multiply(&g, &y)?)?])
@@ -99,18 +99,37 @@ impl Architecture for ToyExt {
         let v = config.value();
         let int = |k: &str| v.get(k).and_then(Value::as_i64).unwrap_or(0) as i32;
         let layers = (0..int("num_hidden_layers"))
-            .map(|i| LayerPlan {
-                kind: if i % 2 == 0 { "gated_mlp" } else { "attention" }.to_owned(),
-                prefix: format!("layers.{i}"),
-                options: if i % 2 == 0 {
-                    json!({})
+            .map(|i| {
+                if i % 2 == 0 {
+                    LayerPlan {
+                        name: "gated_mlp".into(),
+                        kind: "gated_mlp".into(),
+                        prefix: format!("layers.{i}"),
+                        options: json!({}),
+                    }
                 } else {
-                    // mlex's attention kind takes its sizes as options.
-                    json!({"mlp": "none", "post_norm": null,
-                           "hidden_size": int("hidden_size"),
-                           "num_attention_heads": int("num_attention_heads"),
-                           "norm_eps": v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6)})
-                },
+                    // A block around mlex's attention mixer, with no
+                    // feed-forward; the mixer takes its sizes as options.
+                    let eps = v
+                        .get("rms_norm_eps")
+                        .and_then(Value::as_f64)
+                        .unwrap_or(1e-6);
+                    LayerPlan {
+                        name: "attention".into(),
+                        kind: "block".into(),
+                        prefix: format!("layers.{i}"),
+                        options: json!({
+                            "mixer": "attention",
+                            "mixer_options": {
+                                "hidden_size": int("hidden_size"),
+                                "num_attention_heads": int("num_attention_heads"),
+                            },
+                            "hidden_size": int("hidden_size"),
+                            "norm_eps": eps,
+                            "ffn": "none",
+                        }),
+                    }
+                }
             })
             .collect();
         Ok(ModelPlan {
@@ -123,6 +142,8 @@ impl Architecture for ToyExt {
             norm_type: mlex_core::nn::NormKind::Rms,
             head: HeadPlan::Tied,
             logit_softcap: None,
+            embedding_multiplier: None,
+            logits_scaling: None,
             max_context: None,
         })
     }
@@ -175,7 +196,7 @@ impl Layer for Ema {
         let spec = StateSpec::new("h", &[batch as i32, self.hidden], Dtype::Float32);
         Ok(vec![Box::new(StateCache::zeros("ema", &[spec])?)])
     }
-    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
         let a = ops::sigmoid(p.get(self.decay)?)?;
         let one_minus = ops::subtract(Array::from_f32(1.0), &a)?;
         let mut h = state[0].clone();

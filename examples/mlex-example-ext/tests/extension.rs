@@ -61,6 +61,7 @@ fn the_external_architecture_builds_and_decodes() {
         &config,
         toy_weights(hidden, vocab, layers),
         registry,
+        &mlex_models::dispatch().unwrap(),
     )
     .unwrap();
     assert_eq!(
@@ -123,7 +124,14 @@ fn toy_ema_model(hidden: i32, vocab: i32, layers: i32) -> Model {
         w.insert(format!("layers.{i}.out.weight"), out, f);
     }
     let arch = registry.architecture("toy_ema").unwrap();
-    Model::build(arch.as_ref(), &config, w, registry).unwrap()
+    Model::build(
+        arch.as_ref(),
+        &config,
+        w,
+        registry,
+        &mlex_models::dispatch().unwrap(),
+    )
+    .unwrap()
 }
 
 fn max_abs_diff(a: &Array, b: &Array) -> f32 {

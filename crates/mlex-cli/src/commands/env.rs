@@ -1,5 +1,6 @@
-//! `mlex env`: which MLX library is loaded, what it runs on, and whether a
-//! matmul on the default device agrees with the CPU.
+//! `mlex env`: which MLX library is loaded, what it runs on, the backend
+//! policy (`Dispatch`) a command would run with, and whether a matmul on
+//! the default device agrees with the CPU.
 
 use crate::args::{EnvArgs, Format};
 use mlex_core::error::Result;
@@ -37,6 +38,7 @@ pub fn run(a: EnvArgs) -> Result<()> {
     let ok = rel < 1e-2;
     let lib = loaded_libmlx();
     let blas = mlex_core::device::cpu_blas().to_string();
+    let dispatch = crate::session::dispatch(None)?;
     let out = json!({
         "cpu_blas": blas,
         "mlx_version": info.mlx_version,
@@ -46,6 +48,7 @@ pub fn run(a: EnvArgs) -> Result<()> {
         "gpu_name": info.gpu_name,
         "libmlx": lib,
         "matmul_check": {"n": n, "max_rel_diff_vs_cpu": rel, "ok": ok},
+        "dispatch": dispatch.to_json(),
     });
     if a.format == Format::Json {
         println!("{out}");
@@ -63,6 +66,12 @@ pub fn run(a: EnvArgs) -> Result<()> {
             "matmul check  {n}x{n}: max relative difference vs CPU {rel:.2e} {}",
             if ok { "(ok)" } else { "(MISMATCH)" }
         );
+        println!("dispatch      (defaults of the backend, then the MLEX_ variables)");
+        if let Some(o) = out["dispatch"].as_object() {
+            for (k, v) in o {
+                println!("  {k:<24}{v}");
+            }
+        }
     }
     if !ok {
         return Err(mlex_core::Error::Other(format!(

@@ -1,6 +1,7 @@
 //! `mlex inspect`: architecture, where the checkpoint came from, layer plan
 //! with kinds, the decode segment schedule, parameters, and the dtype and
-//! quantization of every tensor group.
+//! quantization of every tensor group; with `--spec`, the resolved plan of
+//! every block (`plan.rs`).
 
 use crate::args::{Format, InspectArgs};
 use crate::session::load_model;
@@ -11,9 +12,17 @@ use mlex_models::load::ModelSource;
 use serde_json::json;
 
 pub fn run(a: InspectArgs, registry: &Registry) -> Result<()> {
-    let loaded = load_model(&a.model, registry)?;
+    let loaded = load_model(&a.model, registry, &crate::session::dispatch(None)?)?;
     let m = &loaded.model;
     let arch = registry.architecture(&m.arch)?;
+    if a.spec {
+        let plan = arch.plan(&m.config)?;
+        match a.format {
+            Format::Json => println!("{}", super::plan::to_json(m, &plan)),
+            Format::Text => println!("{}", super::plan::render(m, arch.summary(), &plan)),
+        }
+        return Ok(());
+    }
     let grows: Vec<bool> = m.layers.iter().map(|s| s.layer.grows()).collect();
     let schedule = Schedule::new(&grows);
     let q = &m.quantization;

@@ -21,7 +21,7 @@ pub fn run(a: LogitsArgs, registry: &Registry) -> Result<()> {
             ));
         }
     }
-    let loaded = load_model(&a.model, registry)?;
+    let loaded = load_model(&a.model, registry, &crate::session::dispatch(None)?)?;
     let model = &loaded.model;
     let vocab = model.vocab_size() as u32;
     if let Some(bad) = a.prompt_ids.iter().find(|&&t| t >= vocab) {

@@ -8,6 +8,7 @@ mod generate;
 mod inspect;
 mod list;
 mod logits;
+mod plan;
 mod serve;
 
 use crate::args::{Cli, Command, DeviceArg};
@@ -51,9 +52,7 @@ pub fn run(cli: Cli) -> Result<()> {
 
 /// `--arch-file` paths plus `$MLEX_ARCH_PATH`.
 fn registry_paths(cli: &[std::path::PathBuf]) -> Vec<std::path::PathBuf> {
-    let mut v: Vec<std::path::PathBuf> = std::env::var_os("MLEX_ARCH_PATH")
-        .map(|p| std::env::split_paths(&p).collect())
-        .unwrap_or_default();
+    let mut v = mlex_core::dispatch::arch_path();
     v.extend(cli.iter().cloned());
     v
 }

@@ -1,26 +1,25 @@
-//! The `attention` layer kind: pre-norm grouped-query attention with a
-//! growing KV cache, followed (optionally) by a post-norm MLP or MoE.
+//! The `attention` mixer: grouped-query attention with a growing KV cache
+//! (Vaswani et al. 2017; GQA: Ainslie et al. 2023). Reference: mlx-lm
+//! `models/llama.py`, `qwen3.py`, `qwen3_next.py`.
 //!
-//! Covers llama/qwen2/qwen3 blocks, Qwen3-Next/Qwen3.5 full-attention
-//! layers (output gate, partial rotary, pre-RoPE q/k norms), NemotronH `*`
-//! layers (no RoPE, no MLP), and DharaAR blocks (canon convolutions at A,
-//! B, C, D; q/k norms after RoPE; per-layer RoPE frequencies).
+//! Covers llama/qwen2/qwen3, Qwen3-Next/Qwen3.5 full attention (output
+//! gate, partial rotary, pre-RoPE q/k norms), NemotronH `*` (no RoPE),
+//! StableLM (attention product in float32) and DharaAR (canon convolutions
+//! at A and B; q/k norms after RoPE; per-layer RoPE frequencies). The
+//! block around it holds the norms, residuals and feed-forward.
 //!
-//! Phases: `head` = norm, [canon A], projections, [canon B], [q/k norm];
-//! `grow` = RoPE at the cache offset, [q/k norm], KV write, SDPA;
-//! `tail` = [gate], o_proj, residual, norm, [canon C], MLP [canon D],
-//! residual.
+//! Phases: before the cache = [canon A], projections, [canon B], [q/k
+//! norm]; `grow` = RoPE at the cache offset, [q/k norm], KV write, SDPA;
+//! after the cache = [gate], o_proj.
 
-use super::canon::Canon;
-use super::ffn::Ffn;
+use super::canon::{Canon, CanonOptions};
 use super::rope::Rope;
-use super::{add_then_norm, ffn_spec, layer_norm, size, FfnSizes};
+use crate::block::size;
 use mlex_cache::{KvCache, RotatingKvCache, StateCache};
 use mlex_core::cache::{AttentionMask, Cache};
-use mlex_core::config::parse_value;
 use mlex_core::error::{Error, Result};
-use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
-use mlex_core::nn::{FusedLinear, Linear, Norm, NormKind, RmsNorm};
+use mlex_core::layer::{BuildCtx, Carry, Mixer, StateKind};
+use mlex_core::nn::{FusedLinear, Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
 use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{fast, ops, Array, Dtype};
@@ -37,22 +36,12 @@ pub enum QkNorm {
     PreRope,
     /// After RoPE (DharaAR).
     PostRope,
+    /// Before RoPE, over the whole projection (all heads at once; OLMo 2).
+    Full,
 }
 
 fn d_attn() -> String {
     "self_attn".into()
-}
-fn d_input_norm() -> Option<String> {
-    Some("input_layernorm".into())
-}
-fn d_post_norm() -> Option<String> {
-    Some("post_attention_layernorm".into())
-}
-fn d_mlp() -> String {
-    "swiglu".into()
-}
-fn d_mlp_prefix() -> String {
-    "mlp".into()
 }
 fn d_qk_norm() -> QkNorm {
     QkNorm::None
@@ -76,40 +65,18 @@ pub struct AttentionOptions {
     /// Head size (default: `hidden_size / num_attention_heads`).
     #[serde(default)]
     pub head_dim: Option<i32>,
-    /// Epsilon of the layer's norms.
-    #[serde(default = "super::default_eps")]
+    /// Epsilon of the q/k norms.
+    #[serde(default = "crate::block::default_eps")]
     pub norm_eps: f64,
-    /// Input and post-attention norms: `rms` (default) or `layer_norm`
-    /// (q/k norms are always RMS).
-    #[serde(default)]
-    pub norm_type: NormKind,
-    /// Feed-forward sizes (when `mlp` is not `none`).
-    #[serde(default)]
-    pub ffn_sizes: FfnSizes,
     /// Attention module name under the layer prefix.
     #[serde(default = "d_attn")]
     pub attn: String,
-    /// Input norm name (`null`: none).
-    #[serde(default = "d_input_norm")]
-    pub input_norm: Option<String>,
-    /// Post-attention norm name (`null`: no MLP part).
-    #[serde(default = "d_post_norm")]
-    pub post_norm: Option<String>,
-    /// `swiglu`, `relu2`, `qwen_moe`, `nemotron_moe` or `none`.
-    #[serde(default = "d_mlp")]
-    pub mlp: String,
-    /// MLP module name.
-    #[serde(default = "d_mlp_prefix")]
-    pub mlp_prefix: String,
     /// Biases on q/k/v projections.
     #[serde(default)]
     pub qkv_bias: bool,
     /// Bias on the output projection.
     #[serde(default)]
     pub o_bias: bool,
-    /// Biases in the MLP.
-    #[serde(default)]
-    pub mlp_bias: bool,
     /// q/k norm placement.
     #[serde(default = "d_qk_norm")]
     pub qk_norm: QkNorm,
@@ -137,40 +104,23 @@ pub struct AttentionOptions {
     /// Sliding window (rotating cache) size.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// The attention scale (default `head_dim^-1/2`; Granite's
+    /// `attention_multiplier`).
+    #[serde(default)]
+    pub scale: Option<f64>,
     /// Queries and keys in float32 for the attention product, its output
     /// cast back to the values' dtype (mlx-lm's StableLM); the cache keeps
     /// the model's dtype.
     #[serde(default)]
     pub attention_f32: bool,
-    /// Canon convolutions (DharaAR).
+    /// Canon convolutions (DharaAR): this mixer's positions A and B (the
+    /// block takes C and D from the same option).
     #[serde(default)]
     pub canon: Option<CanonOptions>,
 }
 
-/// Canon settings.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CanonOptions {
-    /// Which positions, e.g. `ABCD`.
-    pub set: String,
-    /// Kernel width.
-    pub kernel: i32,
-    /// `x + f(conv(x))`.
-    pub residual: bool,
-    /// SiLU after the convolution.
-    pub activation: bool,
-}
-
-struct CanonSet {
-    a: Option<Canon>,
-    b: Option<[Canon; 3]>,
-    c: Option<Canon>,
-    d: Option<Canon>,
-}
-
-/// A built attention layer.
+/// A built attention mixer.
 pub struct Attention {
-    input_norm: Option<Norm>,
     /// q (with the gate when `gated`), k and v: one product.
     qkv: FusedLinear,
     o_proj: Linear,
@@ -180,9 +130,8 @@ pub struct Attention {
     gated: bool,
     rope: Option<Rope>,
     inv_freq: Option<ParamId>,
-    post_norm: Option<Norm>,
-    ffn: Option<Ffn>,
-    canon: CanonSet,
+    canon_a: Option<Canon>,
+    canon_b: Option<[Canon; 3]>,
     n_heads: i32,
     n_kv_heads: i32,
     head_dim: i32,
@@ -191,32 +140,15 @@ pub struct Attention {
     window: Option<usize>,
     attention_f32: bool,
     hidden: i32,
-    intermediate: i32,
 }
 
-/// The registered `attention` kind.
-pub struct AttentionKind;
-
-impl LayerKind for AttentionKind {
-    fn name(&self) -> &'static str {
-        "attention"
-    }
-    fn option_keys(&self) -> &'static [&'static str] {
-        mlex_core::config::struct_fields::<AttentionOptions>()
-    }
-    fn state(&self) -> StateKind {
-        StateKind::Growing
-    }
-    fn summary(&self) -> &'static str {
-        "pre-norm GQA attention with KV cache (+ MLP/MoE); RoPE variants, q/k norms, output gate, sliding window, canon convs"
-    }
-    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>> {
-        let o: AttentionOptions = parse_value(
-            ctx.options,
-            ctx.config.file(),
-            &format!("options of layer {} (attention)", ctx.index),
-        )?;
-        Ok(Box::new(Attention::build(ctx, &o)?))
+mlex_core::register_mixer_kind! {
+    /// The registered `attention` mixer kind.
+    kind AttentionKind = "attention" {
+        options: AttentionOptions,
+        state: StateKind::Growing,
+        summary: "GQA attention with KV cache; RoPE variants, q/k norms, output gate, sliding window, canon A/B",
+        build: Attention::build,
     }
 }
 
@@ -256,10 +188,6 @@ impl Attention {
         let eps = o.norm_eps as f32;
         let attn_prefix = ctx.path(&o.attn);
         let a = |n: &str| format!("{attn_prefix}.{n}");
-        let input_norm = match &o.input_norm {
-            Some(n) => Some(layer_norm(ctx, o.norm_type, n, hidden, eps)?),
-            None => None,
-        };
         let q_out = n_heads * head_dim * if o.gated { 2 } else { 1 };
         let kv_out = n_kv_heads * head_dim;
         let qkv = FusedLinear::load(
@@ -279,12 +207,17 @@ impl Attention {
             hidden,
             o.o_bias,
         )?;
+        // Per head, or over the whole projection.
+        let (q_width, k_width) = match o.qk_norm {
+            QkNorm::Full => (n_heads * head_dim, n_kv_heads * head_dim),
+            _ => (head_dim, head_dim),
+        };
         let (q_norm, k_norm) = if o.qk_norm == QkNorm::None {
             (None, None)
         } else {
             (
-                Some(RmsNorm::load(ctx.weights, &a("q_norm"), head_dim, eps)?),
-                Some(RmsNorm::load(ctx.weights, &a("k_norm"), head_dim, eps)?),
+                Some(RmsNorm::load(ctx.weights, &a("q_norm"), q_width, eps)?),
+                Some(RmsNorm::load(ctx.weights, &a("k_norm"), k_width, eps)?),
             )
         };
         let inv_freq_name = a("rotary_emb.inv_freq");
@@ -308,67 +241,32 @@ impl Attention {
         } else {
             None
         };
-        let (post_norm, ffn, intermediate) = match (&o.post_norm, o.mlp.as_str()) {
-            (Some(n), kind) if kind != "none" => {
-                let spec = ffn_spec(ctx, "attention", hidden, kind, o.mlp_bias, &o.ffn_sizes)?;
-                let post = layer_norm(ctx, o.norm_type, n, hidden, eps)?;
-                let ffn = Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?;
-                (Some(post), Some(ffn), spec.intermediate)
-            }
-            _ => (None, None, 0),
-        };
-        let mut canon = CanonSet {
-            a: None,
-            b: None,
-            c: None,
-            d: None,
-        };
-        let mut kernel = 0;
-        let canon_options = match &o.canon {
-            Some(c) => {
-                let set = c.set.to_uppercase();
-                if let Some(bad) = set.chars().find(|ch| !"ABCD".contains(*ch)) {
-                    return Err(ctx.config.error(
-                        &format!("options of layer {} (attention): canon.set", ctx.index),
-                        format!("unknown canon position `{bad}` (A, B, C, D)"),
-                    ));
-                }
-                // An empty set is no canon layers at all.
-                (!set.is_empty()).then(|| CanonOptions { set, ..c.clone() })
-            }
-            None => None,
-        };
-        if let Some(c) = &canon_options {
+        let (mut canon_a, mut canon_b, mut kernel) = (None, None, 0);
+        if let Some(c) = o
+            .canon
+            .as_ref()
+            .map(|c| c.checked(ctx))
+            .transpose()?
+            .flatten()
+        {
             kernel = c.kernel;
-            let load = |ctx: &mut BuildCtx<'_>, name: String, ch: i32| {
-                Canon::load(ctx.weights, &name, ch, c.kernel, c.residual, c.activation)
-            };
             if c.set.contains('A') {
-                canon.a = Some(load(ctx, ctx.path("canon_a.conv"), hidden)?);
+                canon_a = Some(Canon::load(
+                    ctx.weights,
+                    &ctx.path("canon_a.conv"),
+                    hidden,
+                    &c,
+                )?);
             }
             if c.set.contains('B') {
-                canon.b = Some([
-                    load(ctx, a("canon_b_q.conv"), n_heads * head_dim)?,
-                    load(ctx, a("canon_b_k.conv"), n_kv_heads * head_dim)?,
-                    load(ctx, a("canon_b_v.conv"), n_kv_heads * head_dim)?,
+                canon_b = Some([
+                    Canon::load(ctx.weights, &a("canon_b_q.conv"), n_heads * head_dim, &c)?,
+                    Canon::load(ctx.weights, &a("canon_b_k.conv"), n_kv_heads * head_dim, &c)?,
+                    Canon::load(ctx.weights, &a("canon_b_v.conv"), n_kv_heads * head_dim, &c)?,
                 ]);
-            }
-            if c.set.contains('C') {
-                canon.c = Some(load(ctx, ctx.path("canon_c.conv"), hidden)?);
-            }
-            if c.set.contains('D') {
-                if !matches!(ffn, Some(Ffn::SwiGlu { .. })) {
-                    return Err(ctx.config.error("canon_set", "canon D needs a SwiGLU MLP"));
-                }
-                canon.d = Some(load(
-                    ctx,
-                    format!("{}.canon_d.conv", ctx.path(&o.mlp_prefix)),
-                    intermediate,
-                )?);
             }
         }
         Ok(Self {
-            input_norm,
             qkv,
             o_proj,
             q_norm,
@@ -377,37 +275,29 @@ impl Attention {
             gated: o.gated,
             rope,
             inv_freq,
-            post_norm,
-            ffn,
-            canon,
+            canon_a,
+            canon_b,
             n_heads,
             n_kv_heads,
             head_dim,
             kernel,
-            scale: (head_dim as f32).powf(-0.5),
+            scale: o.scale.map_or((head_dim as f32).powf(-0.5), |s| s as f32),
             window: o.sliding_window,
             attention_f32: o.attention_f32,
             hidden,
-            intermediate,
         })
     }
 
     /// Channel counts of the canon windows, in state order.
     fn canon_windows(&self) -> Vec<(&'static str, i32)> {
         let mut w = Vec::new();
-        if self.canon.a.is_some() {
+        if self.canon_a.is_some() {
             w.push(("A", self.hidden));
         }
-        if self.canon.b.is_some() {
+        if self.canon_b.is_some() {
             w.push(("Bq", self.n_heads * self.head_dim));
             w.push(("Bk", self.n_kv_heads * self.head_dim));
             w.push(("Bv", self.n_kv_heads * self.head_dim));
-        }
-        if self.canon.c.is_some() {
-            w.push(("C", self.hidden));
-        }
-        if self.canon.d.is_some() {
-            w.push(("D", self.intermediate));
         }
         w
     }
@@ -416,8 +306,8 @@ impl Attention {
     /// (no pre-RoPE norm or canon convolution computes them anew).
     fn qk_are_views(&self) -> bool {
         matches!(self.qkv, FusedLinear::One { .. })
-            && self.qk_norm != QkNorm::PreRope
-            && self.canon.b.is_none()
+            && !matches!(self.qk_norm, QkNorm::PreRope | QkNorm::Full)
+            && self.canon_b.is_none()
     }
 
     fn heads(&self, x: &Array, heads: i32) -> Result<Array> {
@@ -476,33 +366,22 @@ impl StateCursor {
     }
 }
 
-impl Layer for Attention {
+impl Mixer for Attention {
     fn kind(&self) -> &str {
         "attention"
     }
 
     fn params(&self) -> Vec<ParamId> {
-        let mut v = Vec::new();
-        if let Some(n) = &self.input_norm {
-            v.extend(n.params());
-        }
-        v.extend(self.qkv.params());
+        let mut v = self.qkv.params();
         v.extend(self.o_proj.params());
         for n in [&self.q_norm, &self.k_norm].into_iter().flatten() {
             v.push(n.weight);
         }
-        if let Some(n) = &self.post_norm {
-            v.extend(n.params());
-        }
         v.extend(self.inv_freq);
-        if let Some(f) = &self.ffn {
-            v.extend(f.params());
-        }
-        let cs = &self.canon;
-        for c in [&cs.a, &cs.c, &cs.d].into_iter().flatten() {
+        if let Some(c) = &self.canon_a {
             v.extend(c.params());
         }
-        if let Some(b) = &cs.b {
+        if let Some(b) = &self.canon_b {
             for c in b {
                 v.extend(c.params());
             }
@@ -514,12 +393,13 @@ impl Layer for Attention {
         true
     }
 
+    fn state_len(&self) -> usize {
+        self.canon_windows().len()
+    }
+
     fn quantizable(&self) -> Vec<ParamId> {
         let mut v = self.qkv.quantizable();
         v.extend(self.o_proj.quantizable());
-        if let Some(f) = &self.ffn {
-            v.extend(f.quantizable());
-        }
         v
     }
 
@@ -541,13 +421,9 @@ impl Layer for Attention {
         Ok(out)
     }
 
-    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
         let mut cur = StateCursor(0);
-        let h = match &self.input_norm {
-            Some(n) => n.forward(p, x)?,
-            None => x.clone(),
-        };
-        let h = cur.canon(p, self.canon.a.as_ref(), h, state)?;
+        let h = cur.canon(p, self.canon_a.as_ref(), x.clone(), state)?;
         let (mut q, mut k, mut v) = match <[Array; 3]>::try_from(self.qkv.forward(p, &h)?) {
             Ok([q, k, v]) => (q, k, v),
             Err(_) => return Err(Error::Other("attention: q/k/v split".into())),
@@ -563,10 +439,14 @@ impl Layer for Attention {
                 &[s[0], s[1], self.n_heads * self.head_dim],
             )?);
         }
-        if let Some([bq, bk, bv]) = &self.canon.b {
+        if let Some([bq, bk, bv]) = &self.canon_b {
             q = cur.canon(p, Some(bq), q, state)?;
             k = cur.canon(p, Some(bk), k, state)?;
             v = cur.canon(p, Some(bv), v, state)?;
+        }
+        if self.qk_norm == QkNorm::Full {
+            q = self.q_norm.as_ref().expect("loaded").forward(p, &q)?;
+            k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;
         }
         if self.qk_are_views() && x.shape()[0] * x.shape()[1] > 1 {
             // Several rows of q and k as views of the fused q/k/v product
@@ -587,15 +467,15 @@ impl Layer for Attention {
             k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;
         }
         let t = |a: &Array| -> Result<Array> { Ok(a.transpose_axes(&[0, 2, 1, 3])?) };
-        let mut carry = vec![x.clone(), t(&q)?, t(&k)?, t(&v)?];
+        let mut carry = vec![t(&q)?, t(&k)?, t(&v)?];
         carry.extend(gate);
         Ok(carry)
     }
 
     fn grow(&self, p: &Params, carry: Carry, cache: &mut dyn Cache) -> Result<Carry> {
         let mut it = carry.into_iter();
-        let (x, q, k, v) = match (it.next(), it.next(), it.next(), it.next()) {
-            (Some(x), Some(q), Some(k), Some(v)) => (x, q, k, v),
+        let (q, k, v) = match (it.next(), it.next(), it.next()) {
+            (Some(q), Some(k), Some(v)) => (q, k, v),
             _ => return Err(Error::Other("attention carry is incomplete".into())),
         };
         let gate = it.next();
@@ -642,41 +522,24 @@ impl Layer for Attention {
         } else {
             o
         };
-        let mut out = vec![x, o];
+        let mut out = vec![o];
         out.extend(gate);
         Ok(out)
     }
 
-    fn tail(&self, p: &Params, carry: Carry, state: &mut [Array]) -> Result<Array> {
+    fn after_cache(&self, p: &Params, carry: Carry, _state: &mut [Array]) -> Result<Array> {
         let mut it = carry.into_iter();
-        let (x, o) = match (it.next(), it.next()) {
-            (Some(x), Some(o)) => (x, o),
-            _ => return Err(Error::Other("attention carry is incomplete".into())),
-        };
+        let o = it
+            .next()
+            .ok_or_else(|| Error::Other("attention carry is incomplete".into()))?;
         let gate = it.next();
-        let s = x.shape().to_vec();
-        let mut o = ops::reshape(o.transpose_axes(&[0, 2, 1, 3])?, &[s[0], s[1], -1])?;
+        let s = o.shape().to_vec();
+        // `o` is `[B, heads, T, head_dim]`.
+        let mut o = ops::reshape(o.transpose_axes(&[0, 2, 1, 3])?, &[s[0], s[2], -1])?;
         if let Some(g) = gate {
             o = ops::multiply(&o, ops::sigmoid(&g)?)?;
         }
-        let attended = self.o_proj.forward(p, &o)?;
-        let (Some(post), Some(ffn)) = (&self.post_norm, &self.ffn) else {
-            return Ok(ops::add(&x, attended)?);
-        };
-        // Canon windows A and B were consumed by `head`.
-        let mut cur = StateCursor(
-            usize::from(self.canon.a.is_some()) + if self.canon.b.is_some() { 3 } else { 0 },
-        );
-        let (h, m) = add_then_norm(p, post, &x, &attended)?;
-        let m = cur.canon(p, self.canon.c.as_ref(), m, state)?;
-        let y = match &self.canon.d {
-            None => ffn.forward(p, &m, None)?,
-            Some(d) => {
-                let mut hook = |inner: Array| cur.canon(p, Some(d), inner, state);
-                ffn.forward(p, &m, Some(&mut hook))?
-            }
-        };
-        Ok(ops::add(&h, &y)?)
+        self.o_proj.forward(p, &o)
     }
 
     fn describe(&self) -> String {
@@ -690,6 +553,7 @@ impl Layer for Attention {
         match self.qk_norm {
             QkNorm::PreRope => parts.push("qk-norm".into()),
             QkNorm::PostRope => parts.push("qk-norm(post-rope)".into()),
+            QkNorm::Full => parts.push("qk-norm(full width)".into()),
             QkNorm::None => {}
         }
         if let Some(r) = &self.rope {
@@ -703,16 +567,8 @@ impl Layer for Attention {
             parts.push(format!("window {w}"));
         }
         if self.kernel > 0 {
-            parts.push(format!("canon k={}", self.kernel));
-        }
-        match &self.ffn {
-            Some(Ffn::SwiGlu { .. }) => parts.push("+ swiglu".into()),
-            Some(Ffn::Relu2 { .. }) => parts.push("+ relu2".into()),
-            Some(Ffn::QwenMoe(_)) | Some(Ffn::NemotronMoe(_)) => parts.push("+ moe".into()),
-            None => {}
+            parts.push(format!("canon A/B k={}", self.kernel));
         }
         parts.join(", ")
     }
 }
-
-mlex_core::register_layer_kind!("attention", AttentionKind);

@@ -3,14 +3,51 @@
 //! previous `K - 1` values, optionally followed by SiLU and added back to
 //! its input. DharaAR places them at A (the normed input of attention),
 //! B (q, k, v after projection), C (the normed input of the MLP) and D (the
-//! MLP's inner activation). Their windows are fixed-size state.
+//! MLP's inner activation). Their windows are fixed-size state. A and B
+//! belong to the attention mixer, C and D to the block around it; both
+//! take the same `canon` option and use their own positions.
 
 use mlex_cache::conv_window_step;
 use mlex_core::error::Result;
+use mlex_core::layer::BuildCtx;
 use mlex_core::nn::{silu, DepthwiseConv};
 use mlex_core::params::{ParamId, Params};
 use mlex_core::weights::WeightLoader;
 use mlx_rs::{ops, Array};
+use serde::Deserialize;
+
+/// The `canon` option: which positions, and how each convolution works.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CanonOptions {
+    /// Which positions, e.g. `ABCD`.
+    pub set: String,
+    /// Kernel width.
+    pub kernel: i32,
+    /// `x + f(conv(x))`.
+    pub residual: bool,
+    /// SiLU after the convolution.
+    pub activation: bool,
+}
+
+impl CanonOptions {
+    /// The options with `set` upper-cased; `None` for an empty set (no
+    /// canon layers); an error naming the option for a letter outside
+    /// A-D.
+    pub fn checked(&self, ctx: &BuildCtx<'_>) -> Result<Option<CanonOptions>> {
+        let set = self.set.to_uppercase();
+        if let Some(bad) = set.chars().find(|ch| !"ABCD".contains(*ch)) {
+            return Err(ctx.config.error(
+                &format!("options of layer {}: canon.set", ctx.index),
+                format!("unknown canon position `{bad}` (A, B, C, D)"),
+            ));
+        }
+        Ok((!set.is_empty()).then(|| CanonOptions {
+            set,
+            ..self.clone()
+        }))
+    }
+}
 
 /// One canon convolution.
 #[derive(Clone, Debug)]
@@ -29,15 +66,13 @@ impl Canon {
         ld: &mut WeightLoader,
         prefix: &str,
         channels: i32,
-        kernel: i32,
-        residual: bool,
-        activation: bool,
+        o: &CanonOptions,
     ) -> Result<Self> {
         let bias = ld.has(&format!("{prefix}.bias"));
         Ok(Self {
-            conv: DepthwiseConv::load(ld, prefix, channels, kernel, bias)?,
-            residual,
-            activation,
+            conv: DepthwiseConv::load(ld, prefix, channels, o.kernel, bias)?,
+            residual: o.residual,
+            activation: o.activation,
         })
     }
 

@@ -4,17 +4,49 @@
 //! applied with `gather_mm`/`gather_qmm`, as mlx-lm's `SwitchGLU`/`SwitchMLP`.
 
 use mlex_core::error::{Error, Result};
-use mlex_core::nn::{load_quantized, relu2, swiglu, FusedLinear, Linear, Quantized};
+use mlex_core::nn::{load_quantized, relu2, swiglu, FusedLinear, Linear, Product, Quantized};
 use mlex_core::params::{ParamId, Params};
 use mlex_core::weights::WeightLoader;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
+use serde::Deserialize;
+
+/// Which feed-forward a block has (its `ffn` option).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FfnKind {
+    /// No feed-forward: the block is a mixer and a residual.
+    None,
+    /// `down(silu(gate(x)) * up(x))`.
+    #[default]
+    Swiglu,
+    /// `down(relu(up(x))^2)`.
+    Relu2,
+    /// Qwen's MoE: softmax top-k, optional gated shared expert.
+    QwenMoe,
+    /// NemotronH's MoE: sigmoid group routing, optional shared experts.
+    NemotronMoe,
+}
+
+impl FfnKind {
+    /// The option's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            FfnKind::None => "none",
+            FfnKind::Swiglu => "swiglu",
+            FfnKind::Relu2 => "relu2",
+            FfnKind::QwenMoe => "qwen_moe",
+            FfnKind::NemotronMoe => "nemotron_moe",
+        }
+    }
+}
 
 /// Experts' weights for one projection, `[E, out, in]`, dense or quantized.
 #[derive(Clone, Debug)]
 pub struct SwitchLinear {
     weight: ParamId,
     quant: Option<Quantized>,
+    product: Product,
 }
 
 impl SwitchLinear {
@@ -26,14 +58,17 @@ impl SwitchLinear {
         input: i32,
         output: i32,
     ) -> Result<Self> {
+        let product = ld.product();
         match load_quantized(ld, prefix, &[experts, output], input)? {
             Some((weight, q)) => Ok(Self {
                 weight,
                 quant: Some(q),
+                product,
             }),
             None => Ok(Self {
                 weight: ld.take(&format!("{prefix}.weight"), &[experts, output, input])?,
                 quant: None,
+                product,
             }),
         }
     }
@@ -56,7 +91,7 @@ impl SwitchLinear {
         let w = p.get(self.weight)?;
         Ok(match &self.quant {
             None => ops::gather_mm(x, w.swap_axes(-1, -2)?, None, indices, false)?,
-            Some(q) if mlex_core::nn::dequantize_for_product(x) => {
+            Some(q) if self.product.dequantizes(x) => {
                 let dense = ops::dequantize(
                     w,
                     p.get(q.scales)?,
@@ -138,8 +173,8 @@ pub enum Ffn {
 /// Settings for [`Ffn::load`].
 #[derive(Clone, Debug)]
 pub struct FfnSpec {
-    /// `swiglu`, `relu2`, `qwen_moe` or `nemotron_moe`.
-    pub kind: String,
+    /// Which feed-forward (not [`FfnKind::None`]).
+    pub kind: FfnKind,
     /// Residual width.
     pub hidden: i32,
     /// MLP inner width.
@@ -168,8 +203,8 @@ impl Ffn {
     /// Loads the block under `prefix`.
     pub fn load(ld: &mut WeightLoader, prefix: &str, s: &FfnSpec) -> Result<Self> {
         let path = |n: &str| format!("{prefix}.{n}");
-        Ok(match s.kind.as_str() {
-            "swiglu" => Ffn::SwiGlu {
+        Ok(match s.kind {
+            FfnKind::Swiglu => Ffn::SwiGlu {
                 gate_up: FusedLinear::load(
                     ld,
                     &[
@@ -181,16 +216,16 @@ impl Ffn {
                 )?,
                 down: Linear::load(ld, &path("down_proj"), s.intermediate, s.hidden, s.bias)?,
             },
-            "relu2" => Ffn::Relu2 {
+            FfnKind::Relu2 => Ffn::Relu2 {
                 up: Linear::load(ld, &path("up_proj"), s.hidden, s.intermediate, s.bias)?,
                 down: Linear::load(ld, &path("down_proj"), s.intermediate, s.hidden, s.bias)?,
             },
-            "qwen_moe" => {
+            FfnKind::QwenMoe => {
                 let e = s.experts;
                 let m = s.moe_intermediate;
                 let shared = if s.shared_intermediate > 0 {
                     let spec = FfnSpec {
-                        kind: "swiglu".into(),
+                        kind: FfnKind::Swiglu,
                         intermediate: s.shared_intermediate,
                         ..s.clone()
                     };
@@ -203,20 +238,32 @@ impl Ffn {
                 };
                 Ffn::QwenMoe(QwenMoe {
                     gate: Linear::load(ld, &path("gate"), s.hidden, e, false)?,
-                    gate_proj: SwitchLinear::load(ld, &path("switch_mlp.gate_proj"), e, s.hidden, m)?,
+                    gate_proj: SwitchLinear::load(
+                        ld,
+                        &path("switch_mlp.gate_proj"),
+                        e,
+                        s.hidden,
+                        m,
+                    )?,
                     up_proj: SwitchLinear::load(ld, &path("switch_mlp.up_proj"), e, s.hidden, m)?,
-                    down_proj: SwitchLinear::load(ld, &path("switch_mlp.down_proj"), e, m, s.hidden)?,
+                    down_proj: SwitchLinear::load(
+                        ld,
+                        &path("switch_mlp.down_proj"),
+                        e,
+                        m,
+                        s.hidden,
+                    )?,
                     top_k: s.top_k,
                     norm_topk_prob: s.norm_topk_prob,
                     shared,
                 })
             }
-            "nemotron_moe" => {
+            FfnKind::NemotronMoe => {
                 let e = s.experts;
                 let m = s.moe_intermediate;
                 let shared = if s.shared_intermediate > 0 {
                     let spec = FfnSpec {
-                        kind: "relu2".into(),
+                        kind: FfnKind::Relu2,
                         intermediate: s.shared_intermediate,
                         ..s.clone()
                     };
@@ -237,9 +284,9 @@ impl Ffn {
                     shared,
                 })
             }
-            other => {
+            FfnKind::None => {
                 return Err(Error::Other(format!(
-                    "{prefix}: unknown feed-forward kind `{other}` (swiglu, relu2, qwen_moe, nemotron_moe)"
+                    "{prefix}: no feed-forward to load (ffn = \"none\")"
                 )))
             }
         })

@@ -1,6 +1,6 @@
-//! The `gated_delta` layer kind: Gated DeltaNet linear attention
+//! The `gated_delta` mixer: Gated DeltaNet linear attention
 //! (Yang, Kautz, Hatamizadeh, *Gated Delta Networks*, 2024) as used by
-//! Qwen3-Next and Qwen3.5, followed by a post-norm MLP or MoE. Reference:
+//! Qwen3-Next and Qwen3.5. Reference:
 //! mlx-lm `models/qwen3_next.py`, `qwen3_5.py`, `gated_delta.py`.
 //!
 //! Per token `t`, per value head (state `S` of `[Dv, Dk]`, kept in f32):
@@ -10,42 +10,25 @@
 //! convolution over the concatenated q, k, v projections.
 //!
 //! State: conv window `[B, K-1, C]` and recurrent state `[B, Hv, Dv, Dk]`;
-//! fixed size, so the whole layer is one pure phase.
+//! fixed size, so the whole mixer is one pure phase.
 
-use super::ffn::Ffn;
-use super::{ffn_spec, layer_norm, size, FfnSizes};
+use crate::block::size;
 use mlex_cache::{conv_window_step, StateCache};
 use mlex_core::cache::Cache;
-use mlex_core::config::parse_value;
+use mlex_core::dispatch::Dispatch;
 use mlex_core::error::Result;
-use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
-use mlex_core::nn::{silu, DepthwiseConv, FusedLinear, Linear, Norm, NormKind, RmsNorm};
+use mlex_core::layer::{BuildCtx, Carry, Mixer, StateKind};
+use mlex_core::nn::{silu, DepthwiseConv, FusedLinear, Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
-use mlex_kernels::{gated_delta, Dispatch};
+use mlex_kernels::{gated_delta, gated_delta_method};
 use mlx_rs::{ops, Array, Dtype};
 use serde::Deserialize;
 
 fn d_mixer() -> String {
     "linear_attn".into()
 }
-fn d_layout() -> String {
-    "qwen3_5".into()
-}
-fn d_input_norm() -> String {
-    "input_layernorm".into()
-}
-fn d_post_norm() -> Option<String> {
-    Some("post_attention_layernorm".into())
-}
-fn d_mlp() -> String {
-    "swiglu".into()
-}
-fn d_mlp_prefix() -> String {
-    "mlp".into()
-}
-
-/// Options of the `gated_delta` kind: its sizes (named after the config
-/// keys they usually come from), weight names and feed-forward.
+/// Options of the `gated_delta` mixer: its sizes (named after the config
+/// keys they usually come from) and weight names.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GatedDeltaOptions {
@@ -61,49 +44,34 @@ pub struct GatedDeltaOptions {
     pub linear_value_head_dim: i32,
     /// Short convolution width.
     pub linear_conv_kernel_dim: i32,
-    /// Epsilon of the layer's norms.
-    #[serde(default = "super::default_eps")]
+    /// Epsilon of the gated RMS norm.
+    #[serde(default = "crate::block::default_eps")]
     pub norm_eps: f64,
-    /// Input and post norms: `rms` (default) or `layer_norm` (the mixer's
-    /// gated norm is always RMS).
-    #[serde(default)]
-    pub norm_type: NormKind,
-    /// Feed-forward sizes (when `mlp` is not `none`).
-    #[serde(default)]
-    pub ffn_sizes: FfnSizes,
     /// Mixer module name.
     #[serde(default = "d_mixer")]
     pub mixer: String,
-    /// `qwen3_5` (separate in_proj_qkv/z/b/a) or `qwen3_next` (fused
-    /// in_proj_qkvz/ba, grouped per key head).
-    #[serde(default = "d_layout")]
-    pub layout: String,
-    /// Input norm name.
-    #[serde(default = "d_input_norm")]
-    pub input_norm: String,
-    /// Post norm name (`null`: no MLP part).
-    #[serde(default = "d_post_norm")]
-    pub post_norm: Option<String>,
-    /// Feed-forward kind (`swiglu`, `qwen_moe`, `none`).
-    #[serde(default = "d_mlp")]
-    pub mlp: String,
-    /// Feed-forward module name.
-    #[serde(default = "d_mlp_prefix")]
-    pub mlp_prefix: String,
+    /// `qwen3_5` (separate in_proj_qkv/z/b/a, the default) or
+    /// `qwen3_next` (fused in_proj_qkvz/ba, grouped per key head).
+    #[serde(default)]
+    pub layout: Layout,
 }
 
 /// The input projections, one product in either layout: Qwen3.5's
 /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, or Qwen3-Next's
 /// `in_proj_qkvz`, `in_proj_ba` (grouped per key head).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Layout {
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub enum Layout {
+    /// Separate projections.
+    #[default]
+    #[serde(rename = "qwen3_5")]
     Qwen35,
+    /// Fused projections, grouped per key head.
+    #[serde(rename = "qwen3_next")]
     Qwen3Next,
 }
 
-/// A built Gated DeltaNet layer.
+/// A built Gated DeltaNet mixer.
 pub struct GatedDelta {
-    input_norm: Norm,
     layout: Layout,
     proj: FusedLinear,
     conv: DepthwiseConv,
@@ -111,8 +79,8 @@ pub struct GatedDelta {
     a_log: ParamId,
     norm: RmsNorm,
     out_proj: Linear,
-    post_norm: Option<Norm>,
-    ffn: Option<Ffn>,
+    /// The backend policy it was built with (fused decode, chunk size).
+    dispatch: Dispatch,
     nk: i32,
     nv: i32,
     dk: i32,
@@ -120,28 +88,18 @@ pub struct GatedDelta {
     kernel: i32,
 }
 
-/// The registered `gated_delta` kind.
-pub struct GatedDeltaKind;
+mlex_core::register_mixer_kind! {
+    /// The registered `gated_delta` mixer kind.
+    kind GatedDeltaKind = "gated_delta" {
+        options: GatedDeltaOptions,
+        state: StateKind::Fixed,
+        summary: "Gated DeltaNet (Qwen3-Next / Qwen3.5 layouts), conv window + f32 recurrent state",
+        build: GatedDelta::build,
+    }
+}
 
-impl LayerKind for GatedDeltaKind {
-    fn name(&self) -> &'static str {
-        "gated_delta"
-    }
-    fn option_keys(&self) -> &'static [&'static str] {
-        mlex_core::config::struct_fields::<GatedDeltaOptions>()
-    }
-    fn state(&self) -> StateKind {
-        StateKind::Fixed
-    }
-    fn summary(&self) -> &'static str {
-        "pre-norm Gated DeltaNet (Qwen3-Next / Qwen3.5 layouts), conv window + f32 recurrent state (+ MLP/MoE)"
-    }
-    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>> {
-        let o: GatedDeltaOptions = parse_value(
-            ctx.options,
-            ctx.config.file(),
-            &format!("options of layer {} (gated_delta)", ctx.index),
-        )?;
+impl GatedDelta {
+    fn build(ctx: &mut BuildCtx<'_>, o: &GatedDeltaOptions) -> Result<Self> {
         let sz = |name: &str, v: i32| size(ctx, "gated_delta", name, v);
         let hidden = sz("hidden_size", o.hidden_size)?;
         let nv = sz("linear_num_value_heads", o.linear_num_value_heads)?;
@@ -160,9 +118,8 @@ impl LayerKind for GatedDeltaKind {
         let m = |n: &str| format!("{mixer_prefix}.{n}");
         let (key_dim, value_dim) = (nk * dk, nv * dv);
         let conv_dim = 2 * key_dim + value_dim;
-        let input_norm = layer_norm(ctx, o.norm_type, &o.input_norm, hidden, eps)?;
-        let (layout, parts) = match o.layout.as_str() {
-            "qwen3_5" => (
+        let (layout, parts) = match o.layout {
+            Layout::Qwen35 => (
                 Layout::Qwen35,
                 vec![
                     (m("in_proj_qkv"), conv_dim),
@@ -171,19 +128,13 @@ impl LayerKind for GatedDeltaKind {
                     (m("in_proj_a"), nv),
                 ],
             ),
-            "qwen3_next" => (
+            Layout::Qwen3Next => (
                 Layout::Qwen3Next,
                 vec![
                     (m("in_proj_qkvz"), 2 * key_dim + 2 * value_dim),
                     (m("in_proj_ba"), 2 * nv),
                 ],
             ),
-            other => {
-                return Err(ctx.config.error(
-                    "layout",
-                    format!("unknown gated_delta layout `{other}` (qwen3_5, qwen3_next)"),
-                ))
-            }
         };
         let parts: Vec<(&str, i32)> = parts.iter().map(|(n, w)| (n.as_str(), *w)).collect();
         let proj = FusedLinear::load(ctx.weights, &parts, hidden, false)?;
@@ -192,18 +143,7 @@ impl LayerKind for GatedDeltaKind {
         let a_log = ctx.weights.take(&m("A_log"), &[nv])?;
         let norm = RmsNorm::load(ctx.weights, &m("norm"), dv, eps)?;
         let out_proj = Linear::load(ctx.weights, &m("out_proj"), value_dim, hidden, false)?;
-        let (post_norm, ffn) = match (&o.post_norm, o.mlp.as_str()) {
-            (Some(n), kind) if kind != "none" => {
-                let spec = ffn_spec(ctx, "gated_delta", hidden, kind, false, &o.ffn_sizes)?;
-                (
-                    Some(layer_norm(ctx, o.norm_type, n, hidden, eps)?),
-                    Some(Ffn::load(ctx.weights, &ctx.path(&o.mlp_prefix), &spec)?),
-                )
-            }
-            _ => (None, None),
-        };
-        Ok(Box::new(GatedDelta {
-            input_norm,
+        Ok(GatedDelta {
             layout,
             proj,
             conv,
@@ -211,18 +151,15 @@ impl LayerKind for GatedDeltaKind {
             a_log,
             norm,
             out_proj,
-            post_norm,
-            ffn,
+            dispatch: ctx.weights.dispatch().clone(),
             nk,
             nv,
             dk,
             dv,
             kernel,
-        }))
+        })
     }
-}
 
-impl GatedDelta {
     /// Splits the projections into (qkv `[B,S,C]`, z `[B,S,Hv,Dv]`,
     /// b `[B,S,Hv]`, a `[B,S,Hv]`).
     fn project(&self, p: &Params, x: &Array) -> Result<(Array, Array, Array, Array)> {
@@ -270,7 +207,7 @@ impl GatedDelta {
             value_dim: self.dv,
         };
         let (a_log, dt_bias) = (p.get(self.a_log)?, p.get(self.dt_bias)?);
-        let dispatch = Dispatch::current();
+        let dispatch = &self.dispatch;
         let out = if len == 1 {
             // One token (decode) is traced inside its compiled segment.
             let fused = dispatch.fused_decode && gated_delta::fused_decode_supported(heads);
@@ -284,7 +221,7 @@ impl GatedDelta {
             y
         } else {
             let prepared = gated_delta::prepare(&conv_out, &a, &b, a_log, dt_bias, heads)?;
-            let method = dispatch.gated_delta_method(len as usize);
+            let method = gated_delta_method(dispatch, len as usize);
             let res = gated_delta::sequence(prepared.sequence(), &state[1], method, false)?;
             state[1] = res.state;
             res.y
@@ -301,23 +238,16 @@ impl GatedDelta {
     }
 }
 
-impl Layer for GatedDelta {
+impl Mixer for GatedDelta {
     fn kind(&self) -> &str {
         "gated_delta"
     }
 
     fn params(&self) -> Vec<ParamId> {
-        let mut v = self.input_norm.params();
-        v.extend([self.dt_bias, self.a_log, self.norm.weight]);
+        let mut v = vec![self.dt_bias, self.a_log, self.norm.weight];
         v.extend(self.proj.params());
         v.extend(self.conv.params());
         v.extend(self.out_proj.params());
-        if let Some(n) = &self.post_norm {
-            v.extend(n.params());
-        }
-        if let Some(f) = &self.ffn {
-            v.extend(f.params());
-        }
         v
     }
 
@@ -325,12 +255,13 @@ impl Layer for GatedDelta {
         false
     }
 
+    fn state_len(&self) -> usize {
+        2
+    }
+
     fn quantizable(&self) -> Vec<ParamId> {
         let mut v = self.proj.quantizable();
         v.extend(self.out_proj.quantizable());
-        if let Some(f) = &self.ffn {
-            v.extend(f.quantizable());
-        }
         v
     }
 
@@ -347,33 +278,14 @@ impl Layer for GatedDelta {
         )?)])
     }
 
-    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
-        let mixed = self.mixer(p, &self.input_norm.forward(p, x)?, state)?;
-        let out = match (&self.post_norm, &self.ffn) {
-            (Some(n), Some(f)) => {
-                let (h, m) = super::add_then_norm(p, n, x, &mixed)?;
-                ops::add(&h, f.forward(p, &m, None)?)?
-            }
-            _ => ops::add(x, mixed)?,
-        };
-        Ok(vec![out])
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+        Ok(vec![self.mixer(p, x, state)?])
     }
 
     fn describe(&self) -> String {
         format!(
-            "gated_delta hk={} hv={} dk={} dv={} conv={}{}",
-            self.nk,
-            self.nv,
-            self.dk,
-            self.dv,
-            self.kernel,
-            match &self.ffn {
-                Some(Ffn::QwenMoe(_)) => " + moe",
-                Some(_) => " + mlp",
-                None => "",
-            }
+            "gated_delta hk={} hv={} dk={} dv={} conv={}",
+            self.nk, self.nv, self.dk, self.dv, self.kernel,
         )
     }
 }
-
-mlex_core::register_layer_kind!("gated_delta", GatedDeltaKind);

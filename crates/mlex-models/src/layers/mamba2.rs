@@ -5,15 +5,14 @@
 //!
 //! State: conv window `[B, K-1, C]` and SSM state `[B, H, Dh, Ds]` (f32).
 
-use super::size;
+use crate::block::size;
 use mlex_cache::{conv_window_step, StateCache};
 use mlex_core::cache::Cache;
-use mlex_core::config::parse_value;
 use mlex_core::error::Result;
-use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
-use mlex_core::nn::{silu, softplus, swiglu, DepthwiseConv, Linear, Norm, NormKind};
+use mlex_core::layer::{BuildCtx, Carry, Mixer, StateKind};
+use mlex_core::nn::{silu, softplus, swiglu, DepthwiseConv, Linear};
 use mlex_core::params::{ParamId, Params};
-use mlex_kernels::{mamba2, Dispatch};
+use mlex_kernels::mamba2;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{fast, ops, Array, Dtype};
 use serde::Deserialize;
@@ -21,9 +20,6 @@ use serde::Deserialize;
 /// SSD chunk length (mlx-lm's `step`).
 const CHUNK: i32 = 256;
 
-fn d_norm() -> String {
-    "norm".into()
-}
 fn d_mixer() -> String {
     "mixer".into()
 }
@@ -61,24 +57,16 @@ pub struct Mamba2Options {
     /// The clip range of `dt` (default: none).
     #[serde(default)]
     pub time_step_limit: Option<Vec<f64>>,
-    /// Epsilon of the layer's norms.
-    #[serde(default = "super::default_eps")]
+    /// Epsilon of the gated, grouped RMS norm.
+    #[serde(default = "crate::block::default_eps")]
     pub norm_eps: f64,
-    /// Input norm: `rms` (default) or `layer_norm` (the mixer's gated,
-    /// grouped norm is always RMS).
-    #[serde(default)]
-    pub norm_type: NormKind,
-    /// Norm name.
-    #[serde(default = "d_norm")]
-    pub norm: String,
     /// Mixer name.
     #[serde(default = "d_mixer")]
     pub mixer: String,
 }
 
-/// A built Mamba2 layer.
+/// A built Mamba2 mixer.
 pub struct Mamba2 {
-    norm: Norm,
     eps: f32,
     in_proj: Linear,
     conv: DepthwiseConv,
@@ -93,30 +81,22 @@ pub struct Mamba2 {
     groups: i32,
     kernel: i32,
     dt_limit: (f32, f32),
+    /// One-token steps as one CUDA kernel (the dispatch's `fused_decode`).
+    fused_decode: bool,
 }
 
-/// The registered `mamba2` kind.
-pub struct Mamba2Kind;
+mlex_core::register_mixer_kind! {
+    /// The registered `mamba2` mixer kind.
+    kind Mamba2Kind = "mamba2" {
+        options: Mamba2Options,
+        state: StateKind::Fixed,
+        summary: "Mamba2 (NemotronH M), conv window + f32 SSM state",
+        build: Mamba2::build,
+    }
+}
 
-impl LayerKind for Mamba2Kind {
-    fn name(&self) -> &'static str {
-        "mamba2"
-    }
-    fn option_keys(&self) -> &'static [&'static str] {
-        mlex_core::config::struct_fields::<Mamba2Options>()
-    }
-    fn state(&self) -> StateKind {
-        StateKind::Fixed
-    }
-    fn summary(&self) -> &'static str {
-        "pre-norm Mamba2 mixer (NemotronH M), conv window + f32 SSM state"
-    }
-    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>> {
-        let o: Mamba2Options = parse_value(
-            ctx.options,
-            ctx.config.file(),
-            &format!("options of layer {} (mamba2)", ctx.index),
-        )?;
+impl Mamba2 {
+    fn build(ctx: &mut BuildCtx<'_>, o: &Mamba2Options) -> Result<Self> {
         let sz = |name: &str, v: i32| size(ctx, "mamba2", name, v);
         let hidden = sz("hidden_size", o.hidden_size)?;
         let heads = sz("mamba_num_heads", o.mamba_num_heads)?;
@@ -140,8 +120,7 @@ impl LayerKind for Mamba2Kind {
         };
         let mixer_prefix = ctx.path(&o.mixer);
         let m = |n: &str| format!("{mixer_prefix}.{n}");
-        Ok(Box::new(Mamba2 {
-            norm: super::layer_norm(ctx, o.norm_type, &o.norm, hidden, eps)?,
+        Ok(Mamba2 {
             eps,
             in_proj: Linear::load(
                 ctx.weights,
@@ -168,7 +147,8 @@ impl LayerKind for Mamba2Kind {
             groups,
             kernel,
             dt_limit,
-        }))
+            fused_decode: ctx.weights.dispatch().fused_decode,
+        })
     }
 }
 
@@ -265,8 +245,7 @@ impl Mamba2 {
             state_dim: self.state_dim,
             dt_limit: self.dt_limit,
         };
-        let fused =
-            len == 1 && Dispatch::current().fused_decode && mamba2::fused_decode_supported(shape);
+        let fused = len == 1 && self.fused_decode && mamba2::fused_decode_supported(shape);
         let (y, next) = if fused {
             // One token on CUDA: the whole SSM step in one kernel.
             let params = mamba2::Params {
@@ -307,14 +286,13 @@ fn repeat_axis1(x: &Array, r: i32) -> Result<Array> {
     Ok(ops::reshape(&b, &[s[0], s[1] * r, s[2], s[3]])?)
 }
 
-impl Layer for Mamba2 {
+impl Mixer for Mamba2 {
     fn kind(&self) -> &str {
         "mamba2"
     }
 
     fn params(&self) -> Vec<ParamId> {
-        let mut v = self.norm.params();
-        v.extend([self.dt_bias, self.a_log, self.d, self.gate_norm]);
+        let mut v = vec![self.dt_bias, self.a_log, self.d, self.gate_norm];
         v.extend(self.in_proj.params());
         v.extend(self.conv.params());
         v.extend(self.out_proj.params());
@@ -323,6 +301,10 @@ impl Layer for Mamba2 {
 
     fn grows(&self) -> bool {
         false
+    }
+
+    fn state_len(&self) -> usize {
+        2
     }
 
     fn quantizable(&self) -> Vec<ParamId> {
@@ -345,9 +327,8 @@ impl Layer for Mamba2 {
         )?)])
     }
 
-    fn head(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
-        let h = self.norm.forward(p, x)?;
-        Ok(vec![ops::add(x, self.mixer(p, &h, state)?)?])
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+        Ok(vec![self.mixer(p, x, state)?])
     }
 
     fn describe(&self) -> String {
@@ -357,5 +338,3 @@ impl Layer for Mamba2 {
         )
     }
 }
-
-mlex_core::register_layer_kind!("mamba2", Mamba2Kind);

@@ -1,4 +1,5 @@
-#!/bin/bash
+# GPU kernels per decode token (or batched step), counted with CUPTI
+#
 # GPU kernels launched per decode token, per model, counted with CUPTI
 # (kcount.c): (kernels at --gen 20 - kernels at --gen 4) / 20 decode steps,
 # `mlex bench` with a 16-token prompt (its warm-up is min(gen, 8) tokens, so
@@ -7,19 +8,13 @@
 # archive in .mlx-cuda/ and the mlx wheel in .whl/ (for make_bench_models.py).
 # With BATCHES="1 8" (and SHAPES, checkpoint folder names), kernels per
 # batched decode step instead.
-set -u
-B=.gpu; M=$B/mlex
-eval "$(sh $B/mlex-cuda-env.sh .mlx-cuda/mlx-cuda-sm90.tar /tmp/mlex-cuda)"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-O=${OUT:-/tmp/out}; mkdir -p "$O"
-exec > >(tee "$O/kcount.log") 2>&1
+#
+#   [BATCHES="1 8"] [SHAPES="qwen3-0.6b-real ..."] bash xtask/gpu/run.sh kcount
+wheels
 python3 $B/make_bench_models.py /tmp/models --scale real ${SHAPES:+--shapes $(echo ${SHAPES//-real/} | tr ' ' ,)} | tail -1
-hdr=$(dirname "$(find /usr/local/cuda*/ /opt /usr/lib/python3* -name cupti.h 2>/dev/null | head -1)")
-lib=$(dirname "$(find /usr/local/cuda*/ /opt /usr/lib/python3* -name 'libcupti.so*' 2>/dev/null | head -1)")
-cuda_h=$(dirname "$(find /usr/local/cuda*/ /opt -name cuda.h 2>/dev/null | head -1)")
+cupti
 echo "cupti: $hdr $lib"
-cc -shared -fPIC -O2 -I"$hdr" -I"$cuda_h" xtask/gpu/kcount.c -L"$lib" -lcupti -Wl,-rpath,"$lib" -o /tmp/libkcount.so || exit 1
-count() { LD_PRELOAD=/tmp/libkcount.so timeout 120 $M bench --model "$@" --prompt-len 16 2>&1 | grep -o 'kcount: [0-9]*' | tail -1 | grep -o '[0-9]*'; }
+kcount_so || exit 1
 if [ -n "${BATCHES:-}" ]; then
   # Batched decode: `bench --batch B` warms up with 4 tokens and then times
   # --gen; --gen 20 and --gen 4 are 16 decode steps apart.

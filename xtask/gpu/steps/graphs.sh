@@ -1,4 +1,5 @@
-#!/bin/bash
+# MLX's CUDA graphs: a decode token's kernels, rates by graph setting
+#
 # One device call on how MLX's CUDA backend batches kernels into CUDA graphs
 # and what that costs a decode token: (1) the kernels one decode token runs,
 # by name, with their GPU time (CUPTI, kcount.c with KCOUNT_NAMES=1; the
@@ -9,27 +10,20 @@
 # .gpu/, the mlx-cuda-pack archive in .mlx-cuda/ and the mlx / mlx-lm wheels
 # in .whl/.
 #
-#   [CONFIGS="default ops500 nographs"] bash xtask/gpu/graphs.sh SHAPES ROUNDS END_S
-set -u
+#   [CONFIGS="default ops500 nographs"] bash xtask/gpu/run.sh graphs SHAPES ROUNDS END_S
 SHAPES=${1:-qwen3-0.6b,qwen3_5}; ROUNDS=${2:-3}; END=${3:-520}
 CONFIGS=${CONFIGS:-default ops50 ops500 ops1000 nographs}
-B=.gpu; M=$B/mlex
-eval "$(sh $B/mlex-cuda-env.sh .mlx-cuda/mlx-cuda-sm90.tar /tmp/mlex-cuda)"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-O=${OUT:-/tmp/out}; mkdir -p "$O"
-exec > >(tee "$O/graphs.log") 2>&1
+wheels
 $M env | head -3
-python3 $B/make_bench_models.py /tmp/models --scale real --shapes "$SHAPES" 2>&1 | tail -1
-hdr=$(dirname "$(find /usr/local/cuda*/ /opt /usr/lib/python3* -name cupti.h 2>/dev/null | head -1)")
-lib=$(dirname "$(find /usr/local/cuda*/ /opt /usr/lib/python3* -name 'libcupti.so*' 2>/dev/null | head -1)")
-cuda_h=$(dirname "$(find /usr/local/cuda*/ /opt -name cuda.h 2>/dev/null | head -1)")
+models "$SHAPES"
+cupti
 for kr in CUpti_ActivityKernel4 CUpti_ActivityKernel9 CUpti_ActivityKernel10 CUpti_ActivityKernel11; do
-  cc -shared -fPIC -O2 -DKREC=$kr -I"$hdr" -I"$cuda_h" xtask/gpu/kcount.c -L"$lib" -lcupti -Wl,-rpath,"$lib" -o /tmp/libkcount.so 2>/dev/null && { echo "kcount with $kr"; break; }
+  kcount_so -DKREC=$kr 2>/dev/null && { echo "kcount with $kr"; break; }
 done
 env_of() { case $1 in
   default) echo "MLEX_X=1";; nographs) echo "MLX_USE_CUDA_GRAPHS=0";;
   ops*) echo "MLX_MAX_OPS_PER_BUFFER=${1#ops}";; esac; }
-names() { KCOUNT_NAMES=1 LD_PRELOAD=/tmp/libkcount.so timeout 120 $M bench --model "$@" --prompt-len 16 2>&1 | grep -E '^k(name|busy|count):'; }
+names() { KCOUNT_NAMES=1 kbench "$@" | grep -E '^k(name|busy|count):'; }
 # (--gen 4 and --gen 68 runs: warm-ups of min(gen, 8) tokens make them 68 decode steps apart)
 echo "== kernels of one decode token by name (runs 68 decode steps apart), default settings"
 for s in ${SHAPES//,/ }; do

@@ -1,4 +1,5 @@
-#!/bin/bash
+# prefix reuse of a 16k prompt: cold against warm, in-process and across runs
+#
 # One device call for prefix reuse across runs (issue: token-exact prefix
 # reuse): on the real-shape Qwen3.5-like bf16 checkpoint, a 16,384-token
 # prompt B that shares its first 15,000 tokens with an earlier prompt A.
@@ -15,16 +16,10 @@
 # First the same pair inside one process (`mlex bench --shared-prefix`),
 # where neither run pays for process start or kernel compilation.
 #
-#   [ONLY_BENCH=1] bash xtask/gpu/prefix.sh [PAIRS]
-set -u
+#   [ONLY_BENCH=1] bash xtask/gpu/run.sh prefix [PAIRS]
 PAIRS=${1:-3}
-B=.gpu
-M=$B/mlex
-eval "$(sh $B/mlex-cuda-env.sh .mlx-cuda/mlx-cuda-sm90.tar /tmp/mlex-cuda)"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-O=${OUT:-/tmp/out}; mkdir -p "$O"
-exec > >(tee "$O/prefix.log") 2>&1
-python3 $B/make_bench_models.py /tmp/models --scale real --shapes qwen3_5 2>&1 | tail -1
+wheels --upgrade || exit 1
+models qwen3_5
 MODEL=/tmp/models/qwen3_5-real
 python3 - $MODEL <<'PY'
 import json, random, sys

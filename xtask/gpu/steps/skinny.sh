@@ -1,24 +1,20 @@
-#!/bin/bash
+# few-row matmul of batched decode: tests, sweep, bench with it on / off
+#
 # One device call for the few-row matmul of batched decode: the CUDA kernel
 # tests, the kernel against MLX's matmul by row count (skinny_sweep), the
 # batched-engine tests on CUDA (f32 fixtures exact, bf16/4-bit near-ties),
 # and `mlex bench --batch B` with the kernel on and off (MLEX_SKINNY_ROWS=0).
 # Files from the CUDA bundle, the test binaries (test-*, batch-test), the
 # example skinny_sweep and fixtures/ in .gpu/; writes under $OUT.
-set -u
-B=.gpu
-M=$B/mlex
-eval "$(sh $B/mlex-cuda-env.sh .mlx-cuda/mlx-cuda-sm90.tar /tmp/mlex-cuda)"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-O=${OUT:-/tmp/out}; mkdir -p "$O"
-exec > >(tee "$O/skinny.log") 2>&1
-echo "== kernel tests on CUDA"
-for t in $B/test-*; do timeout 120 $t --include-ignored --test-threads 1 2>&1 | grep -E "^test |result|panicked|diff"; done
+#
+#   bash xtask/gpu/run.sh skinny
+wheels
+kernel_tests "^test |result|panicked|diff"
 echo "== few-row matmul against MLX's matmul (bf16, H200)"
 timeout 120 $B/skinny_sweep
 echo "== batched engine tests on CUDA"
 MLEX_FIXTURES=$PWD/$B/fixtures timeout 240 $B/batch-test --test-threads 1 --nocapture 2>&1 | grep -E "^test |result|panicked|identical|diverges|left|right" | head -40
-python3 $B/make_bench_models.py /tmp/models --scale real --shapes qwen3_5,qwen3-0.6b 2>&1 | tail -1
+models qwen3_5,qwen3-0.6b
 echo "== mlex bench --batch B (128 + 128 tokens), few-row kernel on / off, alternating"
 for s in qwen3-0.6b qwen3_5; do for b in 1 8 32 64; do for rows in on 0; do
   printf "%-11s b%-3s skinny %-3s " $s $b $rows

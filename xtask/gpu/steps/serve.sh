@@ -1,4 +1,5 @@
-#!/bin/bash
+# mlex serve under load against mlx-lm's server; batched CUDA exactness
+#
 # One device call for the server and the batched engine's CUDA exactness:
 #  1. the batched-equals-one-at-a-time tests on the f32 fixtures (test
 #     binary .gpu/batch-test, fixtures in .gpu/fixtures) with MLX's default
@@ -20,16 +21,11 @@
 #     picks among bf16, bf16-no-skinny and f32);
 #  6. the few-row kernel's CUDA test (.gpu/skinny-test).
 #
-#   [ENGINES=..] [VARIANTS=..] bash xtask/gpu/serve.sh PAIRS DEADLINE_S [STEPS]   (STEPS: any of 1-6)
-set -u
+#   [ENGINES=..] [VARIANTS=..] bash xtask/gpu/run.sh serve PAIRS DEADLINE_S [STEPS]   (STEPS: any of 1-6)
 PAIRS=${1:-2}; DEADLINE=${2:-300}; STEPS=${3:-1,2,3}; ENGINES=${ENGINES:-mlex,mlx-lm}
-B=.gpu
-eval "$(sh $B/mlex-cuda-env.sh .mlx-cuda/mlx-cuda-sm90.tar /tmp/mlex-cuda)"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-O=${OUT:-/tmp/out}; mkdir -p "$O"
-exec > >(tee "$O/serve.log") 2>&1
+wheels --upgrade || exit 1
 export PYTHONUNBUFFERED=1 MLEX_FIXTURES=$PWD/$B/fixtures
-$B/mlex env | head -3
+$M env | head -3
 # The fixture (float32 as `cargo xtask fixtures` makes it, or already cast)
 # in bfloat16 and in float32, written beside and then moved into place.
 cast() { # DTYPE DIR
@@ -55,18 +51,18 @@ if [[ $STEPS == *1* ]]; then
 fi
 if [[ $STEPS == *2* ]]; then
   echo "== load: 32 clients x 20 requests, mlex serve vs mlx_lm server, bf16, $PAIRS pairs"
-  python3 xtask/py/serve_load.py --model /tmp/qwen3-chat-bf16 --mlex $B/mlex --pairs "$PAIRS" --engines "$ENGINES" \
+  python3 xtask/py/serve_load.py --model /tmp/qwen3-chat-bf16 --mlex $M --pairs "$PAIRS" --engines "$ENGINES" \
     --deadline "$DEADLINE" --logs "$O" --out "$O/serve-load.json" 2>&1 | grep -v "^    client"
 fi
 if [[ $STEPS == *3* ]]; then
   echo "== load on the float32 cast, MLX_ENABLE_TF32=0: answers under load vs one at a time"
   mkdir -p "$O/f32"
-  MLX_ENABLE_TF32=0 python3 xtask/py/serve_load.py --model /tmp/qwen3-chat-f32 --mlex $B/mlex --pairs 1 \
+  MLX_ENABLE_TF32=0 python3 xtask/py/serve_load.py --model /tmp/qwen3-chat-f32 --mlex $M --pairs 1 \
     --logs "$O/f32" --out "$O/serve-load-f32.json" 2>&1 | grep -v "^    client"
 fi
 if [[ $STEPS == *4* ]]; then
   echo "== mlex bench on qwen3-chat (bf16): prompt 32, 32 tokens"
-  for b in 1 8 32; do $B/mlex bench --model /tmp/qwen3-chat-bf16 --batch $b --prompt-len 32 --gen 32 2>&1 | tail -1; done
+  for b in 1 8 32; do $M bench --model /tmp/qwen3-chat-bf16 --batch $b --prompt-len 32 --gen 32 2>&1 | tail -1; done
 fi
 if [[ $STEPS == *6* ]]; then
   echo "== few-row kernel against MLX's matmul on CUDA"
@@ -78,7 +74,7 @@ if [[ $STEPS == *5* ]]; then
   run() { # LABEL MODEL ENGINES [ENV...]
     local label=$1 model=$2 engines=$3; shift 3
     mkdir -p "$O/$label"; echo "== $label ($engines${*:+, $*})"
-    env "$@" python3 xtask/py/serve_load.py --model "$model" --mlex $B/mlex --engines "$engines" \
+    env "$@" python3 xtask/py/serve_load.py --model "$model" --mlex $M --engines "$engines" \
       --logs "$O/$label" --out "$O/$label/serve-load.json" 2>&1 | grep -v "^    client" | grep -v '^  \$'
   }
   for v in ${VARIANTS:-bf16 bf16-no-skinny f32}; do

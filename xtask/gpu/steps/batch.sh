@@ -1,4 +1,5 @@
-#!/bin/bash
+# continuous batching: exactness, gain, against mlx-lm's BatchGenerator
+#
 # One device call for continuous batching: batched greedy output against one
 # sequence at a time on the real-shape bf16 checkpoints (the fused CUDA decode
 # kernels and the masked SDPA at batch > 1), the gain of batching over one at
@@ -7,17 +8,11 @@
 # with the CUDA bundle's files in .gpu/, the mlx-cuda-pack archive in
 # .mlx-cuda/ and the mlx / mlx-lm wheels in .whl/; writes under $OUT.
 #
-#   bash xtask/gpu/batch.sh SHAPES BATCHES PAIRS DEADLINE_S [check]
-set -u
+#   bash xtask/gpu/run.sh batch SHAPES BATCHES PAIRS DEADLINE_S [check]
 SHAPES=${1:-qwen3_5,qwen3-0.6b}; BATCHES=${2:-8,32,64}; PAIRS=${3:-3}; DEADLINE=${4:-400}; CHECK=${5:-}
-B=.gpu
-M=$B/mlex
-eval "$(sh $B/mlex-cuda-env.sh .mlx-cuda/mlx-cuda-sm90.tar /tmp/mlex-cuda)"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-O=${OUT:-/tmp/out}; mkdir -p "$O"
-exec > >(tee "$O/batch.log") 2>&1
+wheels
 $M env | head -3
-python3 $B/make_bench_models.py /tmp/models --scale real --shapes "$SHAPES" 2>&1 | tail -1
+models "$SHAPES"
 if [ -n "$CHECK" ]; then
   for s in ${SHAPES//,/ }; do
     m=/tmp/models/$s-real
@@ -54,6 +49,5 @@ for s in ${SHAPES//,/ }; do for b in ${BATCHES//,/ }; do
   $M bench --model /tmp/models/$s-real --batch $b --prompt-len 128 --gen 16 --format json > /dev/null
   python3 $B/mlxlm_batch_bench.py /tmp/models/$s-real --batch $b --prompt-len 128 --gen 16 --device gpu > /dev/null
 done; done
-python3 $B/bench_vs_mlxlm.py --mlex $M --models /tmp/models --device gpu --scale real \
-  --shapes "$SHAPES" --quants bf16 --batches "$BATCHES" --prompt-lens 128 --gen 128 --pairs "$PAIRS" \
+vs_mlxlm --shapes "$SHAPES" --quants bf16 --batches "$BATCHES" --prompt-lens 128 --gen 128 --pairs "$PAIRS" \
   --timeout 150 --deadline "$DEADLINE" --out "$O/batch-vs-mlxlm" 2>&1 | tail -40

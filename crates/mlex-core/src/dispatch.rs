@@ -1,0 +1,237 @@
+//! Backend policy: every choice between an ops form and a kernel, the chunk
+//! and step sizes, the few-row product, fusion and dtype workarounds, in one
+//! value.
+//!
+//! A [`Dispatch`] is built once per process (or per test) from the
+//! backend's measured defaults ([`Dispatch::for_backend`]), the `MLEX_`
+//! environment variables ([`Dispatch::from_env`], the one reader of `MLEX_`
+//! runtime variables; a repository rule checks it) and the command line,
+//! then passed down: the model keeps it, and every layer and product takes
+//! what it needs from it when it is built ([`crate::layer::BuildCtx`],
+//! [`crate::weights::WeightLoader`]). `mlex env` prints it and every bench
+//! JSON records it. The measurements behind each default are in
+//! `docs/BENCHMARKS.md`.
+
+use crate::device::Backend;
+use crate::error::{Error, Result};
+use mlx_rs::Array;
+use serde_json::{json, Value};
+
+/// A dense `x @ w^T` for row counts in `rows` that beats MLX's matmul on
+/// some backend (`mlex_kernels::skinny::matmul`); `Ok(None)` hands the
+/// product back to MLX. Carried by value in a [`Dispatch`], so this crate
+/// holds no kernels and nothing is installed globally.
+pub type DenseProduct = fn(x: &Array, w: &Array, rows: (i32, i32)) -> Result<Option<Array>>;
+
+/// The implementation choices of one process.
+#[derive(Clone, Debug)]
+pub struct Dispatch {
+    /// The loaded backend.
+    pub backend: Backend,
+    /// Chunk size of the chunked gated delta rule; `None` runs every
+    /// sequence token by token (`MLEX_GATED_DELTA_CHUNK`, `0` for none).
+    pub gated_delta_chunk: Option<usize>,
+    /// Sequences shorter than this run token by token (the chunked form's
+    /// fixed cost only pays from a few tokens on).
+    pub gated_delta_min_len: usize,
+    /// Recurrent decode steps as one custom kernel each instead of a dozen
+    /// ops (CUDA only; `MLEX_FUSED_DECODE=0` turns it off).
+    pub fused_decode: bool,
+    /// Dense products whose row count is in this range run as the few-row
+    /// kernel (CUDA only; `MLEX_SKINNY_ROWS`, `0` or `LO-HI`).
+    pub skinny_rows: Option<(i32, i32)>,
+    /// The few-row kernel, when a kernels crate provides one.
+    pub dense_product: Option<DenseProduct>,
+    /// Projections of one input (q/k/v, gate/up) concatenated into one
+    /// product at load (`MLEX_FUSE_PROJECTIONS=0` keeps them apart).
+    pub fuse_projections: bool,
+    /// Quantized products with float32 activations run on the dequantized
+    /// weight: MLX's CUDA backend (0.32) has quantized-matmul kernels for
+    /// float32 activations only at some shapes and none for a gathered
+    /// (MoE) product. True when the default device is a CUDA GPU.
+    pub dequantize_f32_products: bool,
+    /// Prompt tokens per prefill step (`--prefill-chunk`).
+    pub prefill_chunk: usize,
+}
+
+impl PartialEq for Dispatch {
+    fn eq(&self, other: &Self) -> bool {
+        // The kernel pointer is a consequence of the other fields.
+        self.to_json() == other.to_json()
+    }
+}
+
+/// The environment variables [`Dispatch::from_env`] reads, with what each
+/// sets (for `mlex env` and the README's table).
+pub const ENV_VARS: &[(&str, &str)] = &[
+    (
+        "MLEX_GATED_DELTA_CHUNK",
+        "gated delta chunk size: a power of two, or 0 for the token loop",
+    ),
+    (
+        "MLEX_FUSED_DECODE",
+        "0 turns the fused recurrent decode kernels off",
+    ),
+    (
+        "MLEX_SKINNY_ROWS",
+        "row range of the few-row product: 0 (off) or LO-HI within 1-64",
+    ),
+    (
+        "MLEX_FUSE_PROJECTIONS",
+        "0 keeps q/k/v and gate/up as separate products",
+    ),
+];
+
+impl Dispatch {
+    /// The measured defaults of `backend` (chunk sizes measured against the
+    /// token loop: on the CPU small chunks win, the `C²` work per token is
+    /// paid on cores; on CUDA larger ones, fewer dependent steps; Metal
+    /// takes the CUDA choice, untested here). `cuda_device` is whether the
+    /// default device is a CUDA GPU.
+    pub fn for_backend(backend: Backend, cuda_device: bool) -> Dispatch {
+        let gpu = backend != Backend::Cpu;
+        let cuda = backend == Backend::Cuda;
+        Dispatch {
+            gated_delta_chunk: Some(if gpu { 128 } else { 16 }),
+            gated_delta_min_len: 8,
+            fused_decode: cuda,
+            skinny_rows: cuda.then_some((2, 32)),
+            dense_product: None,
+            fuse_projections: true,
+            dequantize_f32_products: cuda_device,
+            // A 4,096-token step prefills 7.7x faster than 512 on the H200;
+            // on the CPU the step barely matters and 512 bounds the graph.
+            prefill_chunk: if gpu { 4096 } else { 512 },
+            backend,
+        }
+    }
+
+    /// The loaded backend's defaults with the `MLEX_` variables applied; a
+    /// value a variable cannot take is an error naming it.
+    pub fn from_env() -> Result<Dispatch> {
+        let backend = crate::device::runtime_info()
+            .map(|i| i.backend)
+            .unwrap_or(Backend::Cpu);
+        let mut d = Dispatch::for_backend(backend, crate::device::default_is_cuda_gpu());
+        d.apply_env(|k| std::env::var(k).ok())?;
+        Ok(d)
+    }
+
+    /// Applies the variables `var` gives (a test passes its own).
+    pub fn apply_env(&mut self, var: impl Fn(&str) -> Option<String>) -> Result<()> {
+        let bad = |key: &str, v: &str, expected: &str| {
+            Error::invalid(key, format!("`{v}`: expected {expected}"))
+        };
+        if let Some(v) = var("MLEX_GATED_DELTA_CHUNK") {
+            self.gated_delta_chunk = match v.trim().parse::<usize>() {
+                Ok(0) => None,
+                Ok(n) if n >= 2 && n.is_power_of_two() => Some(n),
+                _ => return Err(bad("MLEX_GATED_DELTA_CHUNK", &v, "0 or a power of two")),
+            };
+        }
+        if let Some(v) = var("MLEX_FUSED_DECODE") {
+            self.fused_decode = self.fused_decode && flag("MLEX_FUSED_DECODE", &v)?;
+        }
+        if let Some(v) = var("MLEX_SKINNY_ROWS") {
+            self.skinny_rows = parse_rows(&v)
+                .ok_or_else(|| bad("MLEX_SKINNY_ROWS", &v, "0 or a range LO-HI within 1-64"))?;
+        }
+        if let Some(v) = var("MLEX_FUSE_PROJECTIONS") {
+            self.fuse_projections = flag("MLEX_FUSE_PROJECTIONS", &v)?;
+        }
+        Ok(())
+    }
+
+    /// The few-row kernel and its row range, when both are set.
+    pub fn few_row_product(&self) -> Option<(DenseProduct, (i32, i32))> {
+        Some((self.dense_product?, self.skinny_rows?))
+    }
+
+    /// The choices as JSON (for `mlex env` and bench output).
+    pub fn to_json(&self) -> Value {
+        json!({
+            "backend": self.backend.to_string(),
+            "gated_delta_chunk": self.gated_delta_chunk,
+            "gated_delta_min_len": self.gated_delta_min_len,
+            "fused_decode": self.fused_decode,
+            "skinny_rows": self.skinny_rows.map(|(lo, hi)| format!("{lo}-{hi}")),
+            "few_row_kernel": self.dense_product.is_some() && self.skinny_rows.is_some(),
+            "fuse_projections": self.fuse_projections,
+            "dequantize_f32_products": self.dequantize_f32_products,
+            "prefill_chunk": self.prefill_chunk,
+        })
+    }
+}
+
+/// `0`/`1` (also `false`/`true`).
+fn flag(key: &str, v: &str) -> Result<bool> {
+    match v.trim() {
+        "0" | "false" => Ok(false),
+        "1" | "true" => Ok(true),
+        _ => Err(Error::invalid(key, format!("`{v}`: expected 0 or 1"))),
+    }
+}
+
+/// `0` (off) or `LO-HI` with `1 <= LO <= HI <= 64`.
+fn parse_rows(v: &str) -> Option<Option<(i32, i32)>> {
+    if v.trim() == "0" {
+        return Some(None);
+    }
+    let (lo, hi) = v.split_once('-')?;
+    let (lo, hi): (i32, i32) = (lo.trim().parse().ok()?, hi.trim().parse().ok()?);
+    (1 <= lo && lo <= hi && hi <= 64).then_some(Some((lo, hi)))
+}
+
+/// Extra architecture spec paths (`MLEX_ARCH_PATH`, separated like
+/// `$PATH`); read here so that this module stays the one reader of `MLEX_`
+/// runtime variables.
+pub fn arch_path() -> Vec<std::path::PathBuf> {
+    std::env::var_os("MLEX_ARCH_PATH")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> Result<Dispatch> {
+        let mut d = Dispatch::for_backend(Backend::Cuda, true);
+        d.apply_env(|k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        })?;
+        Ok(d)
+    }
+
+    #[test]
+    fn variables_override_the_defaults_and_bad_values_name_the_variable() {
+        let d = with(&[]).unwrap();
+        assert_eq!(d.gated_delta_chunk, Some(128));
+        assert_eq!(d.skinny_rows, Some((2, 32)));
+        let d = with(&[
+            ("MLEX_GATED_DELTA_CHUNK", "0"),
+            ("MLEX_FUSED_DECODE", "0"),
+            ("MLEX_SKINNY_ROWS", "4-16"),
+            ("MLEX_FUSE_PROJECTIONS", "0"),
+        ])
+        .unwrap();
+        assert_eq!(d.gated_delta_chunk, None);
+        assert!(!d.fused_decode && !d.fuse_projections);
+        assert_eq!(d.skinny_rows, Some((4, 16)));
+        for (k, v) in [
+            ("MLEX_GATED_DELTA_CHUNK", "48"),
+            ("MLEX_SKINNY_ROWS", "0-8"),
+            ("MLEX_FUSED_DECODE", "yes"),
+        ] {
+            let e = with(&[(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(k) && e.contains(v), "{e}");
+        }
+        // The CPU has no fused kernels to turn on.
+        let mut cpu = Dispatch::for_backend(Backend::Cpu, false);
+        cpu.apply_env(|k| (k == "MLEX_FUSED_DECODE").then(|| "1".to_owned()))
+            .unwrap();
+        assert!(!cpu.fused_decode);
+    }
+}

@@ -803,6 +803,12 @@ def mlx_specs() -> list[MlxSpec]:
         MlxSpec("smollm3-f32", smollm3_config, "smollm3", notes="no RoPE on layers 1 and 3"),
         MlxSpec("phi3-f32", phi3_config, "phi3", notes="fused qkv_proj / gate_up_proj, partial rotary 0.5"),
         MlxSpec(
+            "mistral-f32",
+            lambda: dict(llama_config(tie=False), model_type="mistral"),
+            "mistral",
+            notes="model_type mistral: mlx-lm runs it with llama.py, mlex with the llama spec (also)",
+        ),
+        MlxSpec(
             "qwen3_next-moe-f32",
             lambda: qwen3_next_config(moe=True),
             "qwen3_next_moe",

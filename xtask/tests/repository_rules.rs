@@ -334,6 +334,46 @@ fn only_the_dispatch_module_reads_mlex_variables() {
     );
 }
 
+/// An item has one public path: a crate root does not both make a module
+/// public and re-export items from it (`pub mod kv;` + `pub use kv::KvCache;`
+/// gives `KvCache` two names).
+#[test]
+fn no_item_has_two_public_paths() {
+    let mut roots = Vec::new();
+    for dir in ["crates", "examples"] {
+        for e in std::fs::read_dir(root().join(dir)).unwrap() {
+            let lib = e.unwrap().path().join("src/lib.rs");
+            if lib.is_file() {
+                roots.push(lib);
+            }
+        }
+    }
+    let mut offences = Vec::new();
+    let mut reexports = 0;
+    for lib in &roots {
+        let text = std::fs::read_to_string(lib).unwrap();
+        let public: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("pub mod "))
+            .map(|m| m.trim_end_matches(';').trim())
+            .collect();
+        for line in text.lines().filter(|l| l.trim().starts_with("pub use ")) {
+            reexports += 1;
+            let path = line.trim().trim_start_matches("pub use ");
+            let first = path.split("::").next().unwrap_or("");
+            if public.contains(&first) {
+                offences.push(format!("{}: {}", rel(lib), line.trim()));
+            }
+        }
+    }
+    assert!(reexports >= 10, "only {reexports} re-exports found");
+    assert!(
+        offences.is_empty(),
+        "items re-exported from a public module (two paths):\n{}",
+        offences.join("\n")
+    );
+}
+
 /// How ARCHITECTURE.md's backticked spans are checked: a path (it has a `/`
 /// or ends like a source file) must exist under the repository root; an
 /// identifier path must have its last segment in the code; anything else

@@ -12,13 +12,13 @@
 //!   snapshots of recurrent state, with LRU bounds and safetensors files.
 #![deny(missing_docs)]
 
-pub mod batch;
-pub mod kv;
-pub mod prompt;
+mod batch;
+mod kv;
+mod prompt;
 mod restore;
-pub mod state;
+mod state;
 
 pub use batch::BatchKvCache;
-pub use kv::{ConcatKvCache, KvCache, RotatingKvCache};
+pub use kv::{ConcatKvCache, KvCache, RotatingKvCache, KV_STEP};
 pub use prompt::{PrefixHit, PromptCache, StateSnapshot};
 pub use state::{conv_window_step, StateCache, StateSpec};

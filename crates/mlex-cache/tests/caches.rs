@@ -2,7 +2,7 @@
 //! sequences that cross growth steps and wrap windows; fixed-size state;
 //! O(layers) copies.
 
-use mlex_cache::kv::KV_STEP;
+use mlex_cache::KV_STEP;
 use mlex_cache::{conv_window_step, ConcatKvCache, KvCache, RotatingKvCache, StateCache};
 use mlex_core::cache::{AttentionMask, Cache, KvAccess};
 use mlx_rs::ops::indexing::TryIndexOp;

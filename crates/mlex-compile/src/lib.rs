@@ -8,9 +8,9 @@
 //! structure changes ([`trace`], [`decoder`]).
 #![deny(missing_docs)]
 
-pub mod decoder;
-pub mod schedule;
-pub mod trace;
+mod decoder;
+mod schedule;
+mod trace;
 
 pub use decoder::{CompilePolicy, SegmentedDecoder};
 pub use schedule::{Phase, Schedule, Step};

@@ -29,7 +29,6 @@ pub mod quant;
 pub mod registry;
 pub mod weights;
 
-pub use error::{Error, Result};
 /// Re-exported for the registration macros.
 pub use inventory;
 /// Re-exported so dependents use the same mlx-rs.

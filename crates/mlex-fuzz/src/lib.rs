@@ -1,6 +1,6 @@
 //! What mlex reads from files a user hands it, one harness per format, each
 //! taking arbitrary bytes and required never to panic: bad input is an
-//! error (`mlex_core::Error`) naming the file. The cargo-fuzz targets in
+//! error (`mlex_core::error::Error`) naming the file. The cargo-fuzz targets in
 //! `fuzz/` (nightly) call these; `tests/corpus.rs` replays every input
 //! saved under `fuzz/corpus/<target>/` and `fuzz/regressions/<target>/` on
 //! stable, so whatever fuzzing found stays fixed.

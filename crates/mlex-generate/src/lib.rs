@@ -11,14 +11,14 @@
 //! batching: many sequences in one forward).
 #![deny(missing_docs)]
 
-pub mod batch;
-pub mod chat;
-pub mod detok;
-pub mod generate;
-pub mod sampler;
-pub mod stop;
-pub mod text_stream;
-pub mod tokenizer;
+mod batch;
+mod chat;
+mod detok;
+mod generate;
+mod sampler;
+mod stop;
+mod text_stream;
+mod tokenizer;
 
 pub use batch::{BatchGenerator, BatchOutput, BatchStats, SeqId};
 pub use chat::{ChatTemplate, Message};

@@ -70,7 +70,7 @@ struct Running<'t> {
     gone: bool,
 }
 
-fn prompt_ids(tok: &Tokenizer, p: &Prompt) -> mlex_core::Result<Vec<u32>> {
+fn prompt_ids(tok: &Tokenizer, p: &Prompt) -> mlex_core::error::Result<Vec<u32>> {
     match p {
         Prompt::Chat(messages) => tok.chat_ids(messages, true),
         Prompt::Text(t) => tok.encode(t, tok.add_bos),
@@ -101,7 +101,7 @@ pub fn run(
     batch: usize,
     rx: mpsc::Receiver<Msg>,
     metrics: Arc<Metrics>,
-) -> mlex_core::Result<()> {
+) -> mlex_core::error::Result<()> {
     let tok = &tokenizer;
     let mut engine = BatchGenerator::new(&mut generator, batch)?;
     let mut running: BTreeMap<SeqId, Running> = BTreeMap::new();
@@ -169,7 +169,7 @@ pub fn run(
         metrics.active.set(engine.active() as i64);
         let before = engine.stats().clone();
         let started = std::time::Instant::now();
-        let mut on_token = |id: SeqId, t: u32| -> mlex_core::Result<Flow> {
+        let mut on_token = |id: SeqId, t: u32| -> mlex_core::error::Result<Flow> {
             let Some(r) = running.get_mut(&id) else {
                 return Ok(Flow::Continue);
             };

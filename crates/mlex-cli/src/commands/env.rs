@@ -29,11 +29,11 @@ pub fn run(a: EnvArgs) -> Result<()> {
         .max(None)?
         .as_dtype(Dtype::Float32)?
         .try_item_exact::<f32>()
-        .map_err(|e| mlex_core::Error::Other(e.to_string()))?;
+        .map_err(|e| mlex_core::error::Error::Other(e.to_string()))?;
     let scale = mlx_rs::ops::abs(&on_cpu)?
         .max(None)?
         .try_item_exact::<f32>()
-        .map_err(|e| mlex_core::Error::Other(e.to_string()))?;
+        .map_err(|e| mlex_core::error::Error::Other(e.to_string()))?;
     let rel = diff / scale.max(1e-30);
     let ok = rel < 1e-2;
     let lib = loaded_libmlx();
@@ -74,7 +74,7 @@ pub fn run(a: EnvArgs) -> Result<()> {
         }
     }
     if !ok {
-        return Err(mlex_core::Error::Other(format!(
+        return Err(mlex_core::error::Error::Other(format!(
             "matmul on {} differs from the CPU by {rel:.2e}",
             info.default_device
         )));

@@ -23,7 +23,7 @@ pub fn run(cli: Cli) -> Result<()> {
             DeviceArg::Gpu => {
                 let gpu = mlx_rs::Device::gpu();
                 if mlex_core::device::runtime_info()?.gpu_count == 0 {
-                    return Err(mlex_core::Error::invalid(
+                    return Err(mlex_core::error::Error::invalid(
                         "--device",
                         "gpu requested, but the loaded MLX library has no GPU backend",
                     ));

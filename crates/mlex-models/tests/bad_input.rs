@@ -809,6 +809,24 @@ fn broken_specs_say_where_and_what() {
         e.contains("unknown layer `X` at position 2") && e.contains("known: A, G, M"),
         "{e}"
     );
+    // A norm option that is neither a name nor false, and a logit scale of
+    // 0, are named when a checkpoint is read.
+    let e = load_with(
+        &base.replace("mixer_norm = \"norm\"", "mixer_norm = true"),
+        &|_| {},
+    );
+    assert!(
+        e.contains("mixer_norm") && e.contains("a module name, or false"),
+        "{e}"
+    );
+    let e = load_with(
+        &base.replace("[model]\n", "[model]\nlogits_scaling = 0.0\n"),
+        &|_| {},
+    );
+    assert!(
+        e.contains("logits_scaling") && e.contains("other than 0"),
+        "{e}"
+    );
     // A weight-name template off by one part: the tensor is named, with the
     // checkpoint's nearest names.
     let e = load_with(

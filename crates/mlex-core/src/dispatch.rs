@@ -54,13 +54,6 @@ pub struct Dispatch {
     pub prefill_chunk: usize,
 }
 
-impl PartialEq for Dispatch {
-    fn eq(&self, other: &Self) -> bool {
-        // The kernel pointer is a consequence of the other fields.
-        self.to_json() == other.to_json()
-    }
-}
-
 /// The environment variables [`Dispatch::from_env`] reads, with what each
 /// sets (for `mlex env` and the README's table).
 pub const ENV_VARS: &[(&str, &str)] = &[

@@ -149,15 +149,7 @@ macro_rules! register_architecture {
 #[macro_export]
 macro_rules! register_layer_kind {
     ($name:literal, $value:expr) => {
-        $crate::inventory::submit! {
-            $crate::registry::LayerKindEntry {
-                name: $name,
-                origin: module_path!(),
-                build: || -> ::std::boxed::Box<dyn $crate::layer::LayerKind> {
-                    ::std::boxed::Box::new($value)
-                },
-            }
-        }
+        $crate::__submit_kind!(LayerKindEntry, LayerKind, $name, $value);
     };
     ($(#[$meta:meta])* kind $kind:ident = $name:literal {
         options: $options:ty, state: $state:expr, summary: $summary:literal, build: $build:path $(,)?
@@ -173,21 +165,31 @@ macro_rules! register_layer_kind {
 #[macro_export]
 macro_rules! register_mixer_kind {
     ($name:literal, $value:expr) => {
-        $crate::inventory::submit! {
-            $crate::registry::MixerKindEntry {
-                name: $name,
-                origin: module_path!(),
-                build: || -> ::std::boxed::Box<dyn $crate::layer::MixerKind> {
-                    ::std::boxed::Box::new($value)
-                },
-            }
-        }
+        $crate::__submit_kind!(MixerKindEntry, MixerKind, $name, $value);
     };
     ($(#[$meta:meta])* kind $kind:ident = $name:literal {
         options: $options:ty, state: $state:expr, summary: $summary:literal, build: $build:path $(,)?
     }) => {
         $crate::__kind_impl!($(#[$meta])* $kind, MixerKind, Mixer, $name, $options, $state, $summary, $build);
         $crate::register_mixer_kind!($name, $kind);
+    };
+}
+
+/// The registration of a layer or mixer kind (`ENTRY` names the registry
+/// entry type, `TRAIT` the kind trait it builds).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __submit_kind {
+    ($entry:ident, $trait:ident, $name:literal, $value:expr) => {
+        $crate::inventory::submit! {
+            $crate::registry::$entry {
+                name: $name,
+                origin: module_path!(),
+                build: || -> ::std::boxed::Box<dyn $crate::layer::$trait> {
+                    ::std::boxed::Box::new($value)
+                },
+            }
+        }
     };
 }
 

@@ -730,6 +730,23 @@ impl Located<'_> {
     }
 }
 
+/// An option `bad` under `path` that the struct does not have: located,
+/// with the options it does have.
+fn unknown_option(
+    loc: &Located<'_>,
+    path: &str,
+    bad: &str,
+    what: &str,
+    known: &[&str],
+    hint: &str,
+) -> Error {
+    spec_error(
+        &loc.key(bad),
+        &format!("{path}.{bad}"),
+        format!("{what} (its options: {}{hint})", known.join(", ")),
+    )
+}
+
 /// An unknown layer or mixer name, with the registered ones.
 fn unknown_kind(registry: &Registry, kind: &str, context: String) -> Error {
     match registry.layer_kind(kind) {
@@ -805,14 +822,9 @@ fn check_block_tables(spec: &ArchSpec, loc: &Located<'_>) -> Result<()> {
                 .filter(|k| **k != "mixer_options")
                 .copied()
                 .collect();
-            return Err(spec_error(
-                &loc.key(bad),
-                &format!("{path}.{bad}"),
-                format!(
-                    "a block has no option `{bad}` (its options: {}; a mixer's options go under [kinds.<mixer>])",
-                    known.join(", ")
-                ),
-            ));
+            let what = format!("a block has no option `{bad}`");
+            let hint = "; a mixer's options go under [kinds.<mixer>]";
+            return Err(unknown_option(loc, path, bad, &what, &known, hint));
         }
         Ok(())
     };
@@ -921,14 +933,9 @@ fn check_kind_options(spec: &ArchSpec, loc: &Located<'_>, registry: &Registry) -
             continue;
         }
         if let Some(bad) = options.keys().find(|k| !keys.contains(&k.as_str())) {
-            return Err(spec_error(
-                &loc.key(bad),
-                &format!("kinds.{kind}.{bad}"),
-                format!(
-                    "`{kind}` has no option `{bad}` (its options: {})",
-                    keys.join(", ")
-                ),
-            ));
+            let what = format!("`{kind}` has no option `{bad}`");
+            let path = format!("kinds.{kind}");
+            return Err(unknown_option(loc, &path, bad, &what, keys, ""));
         }
     }
     Ok(())

@@ -9,8 +9,9 @@
 //! bitwise on others). Forcing kernels this CPU can run, but did not pick,
 //! puts the suite on "another CPU" on every machine: the fixture script's
 //! self-checks (`fixtures.py`), and mlex on those kernels against the
-//! references made on this CPU's own (`parity`, `batch`, `prefix_reuse`:
-//! the tests that compare results across different products).
+//! references made on this CPU's own (`parity`, `batch`, `prefix_reuse`,
+//! `speculative`: the tests that compare results across different
+//! products).
 //!
 //! The kernels are ones the CPU can execute: the x86-64 baseline
 //! (`Prescott`, SSE3) and the AVX family just below the one picked; on
@@ -33,6 +34,8 @@ const TESTS: &[&str] = &[
     "batch",
     "--test",
     "prefix_reuse",
+    "--test",
+    "speculative",
 ];
 
 /// The kernel OpenBLAS runs with `coretype` forced (None: its own choice).

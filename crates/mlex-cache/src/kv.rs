@@ -475,6 +475,10 @@ impl Cache for RotatingKvCache {
     fn is_trimmable(&self) -> bool {
         self.offset < self.max_size
     }
+    fn trimmable_after(&self, n: usize) -> bool {
+        // Until the ring is full nothing has been overwritten.
+        self.offset + n < self.max_size
+    }
     fn trim(&mut self, n: usize) -> usize {
         let n = n.min(self.offset);
         self.offset -= n;

@@ -21,4 +21,4 @@ mod state;
 pub use batch::BatchKvCache;
 pub use kv::{ConcatKvCache, KvCache, RotatingKvCache, KV_STEP};
 pub use prompt::{PrefixHit, PromptCache, StateSnapshot};
-pub use state::{conv_window_step, StateCache, StateSpec};
+pub use state::{conv_window_into, conv_window_step, StateCache, StateSpec};

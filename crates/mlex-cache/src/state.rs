@@ -13,6 +13,7 @@
 
 use mlex_core::cache::{Cache, CacheTensors};
 use mlex_core::error::{Error, Result};
+use mlex_core::layer::State;
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::{ops, Array, Dtype};
 use std::collections::BTreeMap;
@@ -273,4 +274,23 @@ pub fn conv_window_step(window: &Array, x: &Array) -> Result<(Array, Array)> {
         padded.try_index((.., (total - keep).., ..))?.contiguous()?
     };
     Ok((padded, next))
+}
+
+/// [`conv_window_step`] on array `i` of a layer's state: writes the new
+/// window (or, in a verify run, the window after every position,
+/// `[T, B, K-1, C]`) and returns the padded input the convolution reads.
+pub fn conv_window_into(state: &mut State<'_>, i: usize, x: &Array) -> Result<Array> {
+    let (padded, next) = conv_window_step(&state[i], x)?;
+    if state.keeps_positions() {
+        // The window after position j (0-based) is rows j+1 .. j+K of the
+        // padded input.
+        let keep = state[i].shape()[1];
+        let windows = (1..=x.shape()[1])
+            .map(|j| Ok(padded.try_index((.., j..j + keep, ..))?))
+            .collect::<Result<Vec<_>>>()?;
+        state.set(i, windows)?;
+    } else {
+        state[i] = next;
+    }
+    Ok(padded)
 }

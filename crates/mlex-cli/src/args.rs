@@ -168,6 +168,24 @@ pub struct ModelArgs {
     pub checkpoint_every: usize,
 }
 
+/// Speculative decoding: a drafter proposes tokens and the model verifies
+/// several per forward; the output is what plain decoding gives (token for
+/// token when greedy, in distribution when sampling).
+#[derive(Args, Debug, Clone)]
+pub struct SpeculativeArgs {
+    /// Draft with this smaller model of the same tokenizer (a directory, a
+    /// .gguf file or a Hugging Face repo id); hybrids on either side.
+    #[arg(long, value_name = "PATH", conflicts_with = "lookup")]
+    pub draft_model: Option<String>,
+    /// Draft by prompt lookup: n-grams of the prompt and the text so far
+    /// (no second model); stands down while acceptance stays low.
+    #[arg(long)]
+    pub lookup: bool,
+    /// Most tokens drafted per step (1..=16).
+    #[arg(long, value_name = "K", default_value_t = 3)]
+    pub draft_tokens: usize,
+}
+
 /// Sampling options.
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {
@@ -237,6 +255,8 @@ pub struct GenerateArgs {
     pub no_chat_template: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
     /// Keep the prompt cache in DIR across runs (one file per model, written atomically).
     #[arg(long, value_name = "DIR", conflicts_with = "prompts_file")]
     pub prompt_cache: Option<std::path::PathBuf>,
@@ -254,6 +274,8 @@ pub struct ChatArgs {
     pub system: Option<String>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
     /// Keep the prompt cache in DIR across runs (one file per model, written atomically).
     #[arg(long, value_name = "DIR")]
     pub prompt_cache: Option<std::path::PathBuf>,
@@ -285,6 +307,19 @@ pub struct BenchArgs {
     /// one process, after a warm-up of both.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "batch")]
     pub shared_prefix: Option<u32>,
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
+    /// Speculative decoding at a set acceptance (0..=1): a bench-only
+    /// drafter proposes the model's own greedy continuation, each token
+    /// spoiled with probability 1 - A; `--repeats` alternating pairs of
+    /// plain and speculative runs, medians and spread.
+    #[arg(long, value_name = "A", conflicts_with_all = ["batch", "shared_prefix", "lookup", "draft_model"])]
+    pub draft_acceptance: Option<f64>,
+    /// The cost of one verify forward over T = 1..=8 tokens against one
+    /// decode step, after a `--prompt-len` prompt (`--repeats` timings
+    /// each, medians).
+    #[arg(long, conflicts_with_all = ["batch", "shared_prefix", "draft_acceptance"])]
+    pub verify_cost: bool,
     /// Output format.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,

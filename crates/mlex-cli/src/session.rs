@@ -212,6 +212,42 @@ pub fn generator(model: mlex_core::model::Model, m: &ModelArgs) -> mlex_generate
     g
 }
 
+/// Turns on the drafter `s` asks for (if any) in `generator`, whose model
+/// was loaded with `m`; a draft model loads with the same options.
+pub fn speculative(
+    generator: &mut mlex_generate::Generator,
+    s: &crate::args::SpeculativeArgs,
+    m: &ModelArgs,
+    registry: &Registry,
+) -> Result<()> {
+    let k = mlex_generate::check_draft_tokens(s.draft_tokens)?;
+    let drafter: Box<dyn mlex_generate::Drafter> = if let Some(path) = &s.draft_model {
+        let dm = ModelArgs {
+            model: path.clone(),
+            ..m.clone()
+        };
+        let draft = load_with(&dm, registry)?;
+        let target_vocab = generator.model.vocab_size() as usize;
+        Box::new(mlex_generate::DraftModel::new(
+            generator_for_draft(draft.model, m),
+            target_vocab,
+            path,
+        )?)
+    } else if s.lookup {
+        Box::new(mlex_generate::PromptLookup::default())
+    } else {
+        return Ok(());
+    };
+    generator.speculative = Some((drafter, k));
+    Ok(())
+}
+
+fn generator_for_draft(model: mlex_core::model::Model, m: &ModelArgs) -> mlex_generate::Generator {
+    let mut g = mlex_generate::Generator::with_policy(model, compile(m));
+    g.checkpoint_every = 0;
+    g
+}
+
 /// Shared model options → the compile policy (`None`: eager decode).
 pub fn compile(m: &ModelArgs) -> Option<mlex_compile::CompilePolicy> {
     match (m.no_compile, m.compile_recurrent) {

@@ -1599,3 +1599,164 @@ fn a_spec_file_serves_a_new_hybrid() {
         "{e}"
     );
 }
+
+#[test]
+fn speculative_flags_give_the_plain_output_and_report_acceptance() {
+    let m = fixture_path("qwen3_5-f32");
+    let ids = "5,6,7,8,9,10,11,12,5,6,7,8,9,10,11,12,5,6,7";
+    let run = |extra: &[&str]| -> Value {
+        let out = mlex()
+            .arg("generate")
+            .arg("--model")
+            .arg(&m)
+            .args([
+                "--prompt-ids",
+                ids,
+                "--max-tokens",
+                "20",
+                "--format",
+                "json",
+            ])
+            .args(extra)
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        last_json(&out)
+    };
+    let plain = run(&[]);
+    assert!(plain["speculative"].is_null());
+    let draft = m.to_str().unwrap();
+    for extra in [
+        vec!["--lookup"],
+        vec!["--draft-model", draft, "--draft-tokens", "4"],
+    ] {
+        let spec = run(&extra);
+        assert_eq!(spec["token_ids"], plain["token_ids"], "{extra:?}");
+        let s = &spec["speculative"];
+        assert!(s["rounds"].as_u64().unwrap() > 0, "{extra:?}: {s}");
+        let per = s["acceptance_per_position"].as_array().unwrap();
+        assert!(!per.is_empty() && per.len() <= 4, "{s}");
+        for key in [
+            "acceptance",
+            "mean_accepted_length",
+            "draft_s",
+            "verify_s",
+            "commit_s",
+        ] {
+            assert!(s[key].as_f64().is_some(), "{extra:?}: no {key} in {s}");
+        }
+    }
+    // The model drafting for itself: every draft accepted.
+    let spec = run(&["--draft-model", draft, "--draft-tokens", "4"]);
+    assert_eq!(spec["speculative"]["acceptance"].as_f64(), Some(1.0));
+}
+
+#[test]
+fn speculative_options_reject_bad_values_naming_them() {
+    let m = fixture_path("llama-f32");
+    let fail = |args: &[&str]| -> String {
+        let out = mlex()
+            .arg("generate")
+            .arg("--model")
+            .arg(&m)
+            .args(["--prompt-ids", "1,2,3", "--max-tokens", "4"])
+            .args(args)
+            .assert()
+            .failure()
+            .get_output()
+            .stderr
+            .clone();
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    for k in ["0", "17"] {
+        let e = fail(&["--lookup", "--draft-tokens", k]);
+        assert!(e.contains("--draft-tokens") && e.contains(k), "{e}");
+    }
+    let other = fixture_path("qwen3-chat");
+    let e = fail(&["--draft-model", other.to_str().unwrap()]);
+    assert!(
+        e.contains("--draft-model") && e.contains("vocabulary") && e.contains("qwen3-chat"),
+        "{e}"
+    );
+    let e = fail(&["--lookup", "--draft-model", other.to_str().unwrap()]);
+    assert!(e.contains("--lookup") || e.contains("--draft-model"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("p.txt");
+    std::fs::write(&prompts, "1,2,3\n").unwrap();
+    let out = mlex()
+        .arg("generate")
+        .arg("--model")
+        .arg(&m)
+        .arg("--prompts-file")
+        .arg(&prompts)
+        .args(["--ids", "--lookup"])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(
+        e.contains("--prompts-file") && e.contains("--lookup"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
+    let m = fixture_path("nemotron_h-f32");
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&m)
+        .args(["--prompt-len", "8", "--gen", "24", "--repeats", "2"])
+        .args([
+            "--draft-acceptance",
+            "0.8",
+            "--draft-tokens",
+            "3",
+            "--format",
+            "json",
+        ])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    for key in ["plain_decode_tok_s", "speculative_decode_tok_s", "speedup"] {
+        assert!(v[key]["median"].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+    let acc = v["speculative"]["acceptance"].as_f64().unwrap();
+    assert!(acc > 0.0 && acc < 1.0, "{v}");
+    assert!(v["peak_memory_bytes"].as_u64().unwrap() > 0);
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&m)
+        .args(["--prompt-len", "8", "--verify-cost", "--format", "json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    let rows = v["verify"].as_array().unwrap();
+    assert_eq!(rows.len(), 8, "{v}");
+    assert!(rows
+        .iter()
+        .all(|r| r["cost_in_steps"].as_f64().unwrap() > 0.0));
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&m)
+        .args(["--draft-acceptance", "1.5"])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    assert!(String::from_utf8_lossy(&out).contains("--draft-acceptance"));
+}

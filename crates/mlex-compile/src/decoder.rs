@@ -19,7 +19,7 @@
 use crate::schedule::{Phase, Schedule, Step};
 use crate::trace::CompiledTrace;
 use mlex_core::error::{Error, Result};
-use mlex_core::layer::Layer;
+use mlex_core::layer::{Layer, State};
 use mlex_core::model::{advance_fixed, gather_state, scatter_state, Model, ModelCache, OutputHead};
 use mlex_core::nn::Embedding;
 use mlex_core::params::{ParamId, Params};
@@ -271,8 +271,12 @@ fn run_phases<'a>(
     for phase in phases {
         carry = match *phase {
             Phase::Embed => vec![embed.forward(p, &carry[0])?],
-            Phase::BeforeCache(i) => layer(i).before_cache(p, &carry[0], &mut states[slot(i)])?,
-            Phase::AfterCache(i) => vec![layer(i).after_cache(p, carry, &mut states[slot(i)])?],
+            Phase::BeforeCache(i) => {
+                layer(i).before_cache(p, &carry[0], &mut State::new(&mut states[slot(i)]))?
+            }
+            Phase::AfterCache(i) => {
+                vec![layer(i).after_cache(p, carry, &mut State::new(&mut states[slot(i)]))?]
+            }
             Phase::Logits => vec![output.forward(p, &carry[0])?],
         };
     }

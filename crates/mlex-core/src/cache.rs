@@ -100,6 +100,12 @@ pub trait Cache: Send {
         false
     }
 
+    /// True when, after taking `n` more tokens, [`Cache::trim`] could
+    /// drop them exactly (a speculative round of `n` tokens asks first).
+    fn trimmable_after(&self, _n: usize) -> bool {
+        self.is_trimmable()
+    }
+
     /// Drops the last `n` tokens; returns how many were dropped.
     fn trim(&mut self, _n: usize) -> usize {
         0

@@ -18,7 +18,7 @@
 //!    residual, feed-forward).
 //!
 //! Pure phases read weights through [`Params`] and thread the layer's
-//! fixed-size state (`&mut [Array]`, the concatenated [`Cache::state`] of its
+//! fixed-size state ([`State`], the concatenated [`Cache::state`] of its
 //! non-growing caches) explicitly, so they can be traced by MLX's compiler
 //! with state and weights as inputs. Eager forward passes (prefill, tests)
 //! call the same three phases in order, so compiled and eager decode share
@@ -37,6 +37,90 @@ use serde_json::Value;
 /// q/k/v after the head).
 pub type Carry = Vec<Array>;
 
+/// The fixed-size state a layer's pure phases read and write: the
+/// concatenated [`Cache::state`] of its non-growing caches, in order.
+///
+/// A run over `T` tokens normally leaves the state after the last token.
+/// A *verify* run of speculative decoding ([`State::per_position`]) leaves
+/// every array with a leading axis of `T` entries, the state after each
+/// position, so that accepting `n` of the tokens picks entry `n - 1` with
+/// no second forward (see `ARCHITECTURE.md`, "Speculative decoding").
+/// Write state through [`State::set`] and it does the right thing in both
+/// modes.
+pub struct State<'a> {
+    arrays: &'a mut [Array],
+    per_position: bool,
+}
+
+impl<'a> State<'a> {
+    /// The state after the last token only (prefill and decode).
+    pub fn new(arrays: &'a mut [Array]) -> Self {
+        Self {
+            arrays,
+            per_position: false,
+        }
+    }
+
+    /// The state after every position (a verify forward).
+    pub fn per_position(arrays: &'a mut [Array]) -> Self {
+        Self {
+            arrays,
+            per_position: true,
+        }
+    }
+
+    /// True when every array must leave with one entry per position.
+    pub fn keeps_positions(&self) -> bool {
+        self.per_position
+    }
+
+    /// The first `mid` arrays and the rest, in the same mode.
+    pub fn split_at(&mut self, mid: usize) -> (State<'_>, State<'_>) {
+        let (a, b) = self.arrays.split_at_mut(mid);
+        (
+            State {
+                arrays: a,
+                per_position: self.per_position,
+            },
+            State {
+                arrays: b,
+                per_position: self.per_position,
+            },
+        )
+    }
+
+    /// Writes array `i` from the states after each of the `T` positions
+    /// (in order): all of them stacked on a new leading axis when
+    /// [`State::keeps_positions`], else the last.
+    pub fn set(&mut self, i: usize, mut after_each: Vec<Array>) -> Result<()> {
+        let slot = self
+            .arrays
+            .get_mut(i)
+            .ok_or_else(|| Error::Other(format!("layer state has no array {i}")))?;
+        *slot = if self.per_position {
+            mlx_rs::ops::stack(&after_each, 0)?
+        } else {
+            after_each
+                .pop()
+                .ok_or_else(|| Error::Other("a state update over no positions".into()))?
+        };
+        Ok(())
+    }
+}
+
+impl std::ops::Deref for State<'_> {
+    type Target = [Array];
+    fn deref(&self) -> &[Array] {
+        self.arrays
+    }
+}
+
+impl std::ops::DerefMut for State<'_> {
+    fn deref_mut(&mut self) -> &mut [Array] {
+        self.arrays
+    }
+}
+
 /// One built decoder layer.
 pub trait Layer: Send + Sync {
     /// The layer kind's registered name.
@@ -54,7 +138,7 @@ pub trait Layer: Send + Sync {
     fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>>;
 
     /// Phase 1 (pure): `x` is `[B, T, D]`.
-    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry>;
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Carry>;
 
     /// Phase 2 (eager): reads/writes the growing cache. Layers that do not
     /// grow pass the carry through.
@@ -63,7 +147,7 @@ pub trait Layer: Send + Sync {
     }
 
     /// Phase 3 (pure): returns the layer's output `[B, T, D]`.
-    fn after_cache(&self, _p: &Params, carry: Carry, _state: &mut [Array]) -> Result<Array> {
+    fn after_cache(&self, _p: &Params, carry: Carry, _state: &mut State<'_>) -> Result<Array> {
         carry
             .into_iter()
             .next()
@@ -194,7 +278,7 @@ pub trait Mixer: Send + Sync {
     fn state_len(&self) -> usize;
 
     /// Phase 1 (pure): `x` is the normed input `[B, T, D]`.
-    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry>;
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Carry>;
 
     /// Phase 2 (eager): reads/writes the growing cache.
     fn grow(&self, _p: &Params, carry: Carry, _cache: &mut dyn Cache) -> Result<Carry> {
@@ -203,7 +287,7 @@ pub trait Mixer: Send + Sync {
 
     /// Phase 3 (pure): the mixer's output `[B, T, D]` (before the
     /// residual).
-    fn after_cache(&self, _p: &Params, carry: Carry, _state: &mut [Array]) -> Result<Array> {
+    fn after_cache(&self, _p: &Params, carry: Carry, _state: &mut State<'_>) -> Result<Array> {
         carry
             .into_iter()
             .next()

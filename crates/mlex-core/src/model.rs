@@ -9,12 +9,13 @@ use crate::cache::Cache;
 use crate::config::ModelConfig;
 use crate::dispatch::Dispatch;
 use crate::error::{Error, Result, ResultExt};
-use crate::layer::{BuildCtx, Layer};
+use crate::layer::{BuildCtx, Layer, State};
 use crate::nn::{Embedding, Linear, Norm};
 use crate::params::{ParamId, ParamStore, Params};
 use crate::quant::Quantization;
 use crate::registry::Registry;
 use crate::weights::{WeightLoader, WeightMap};
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
 use std::sync::Arc;
 
@@ -149,6 +150,103 @@ impl ModelCache {
         Ok(())
     }
 
+    /// True when every growing cache could drop `n` tokens after taking
+    /// them (a sliding window that would wrap cannot); a speculative round
+    /// of `n` tokens needs it.
+    pub fn can_take_back(&self, n: usize) -> bool {
+        self.layers
+            .iter()
+            .flatten()
+            .filter(|c| c.grows())
+            .all(|c| c.trimmable_after(n))
+    }
+
+    /// Where the cache stands now, to [`ModelCache::rewind`] to later.
+    pub fn mark(&self) -> CacheMark {
+        CacheMark {
+            layers: self
+                .layers
+                .iter()
+                .map(|l| {
+                    l.iter()
+                        .map(|c| {
+                            if c.grows() {
+                                Marked::Grows(c.offset())
+                            } else {
+                                Marked::Fixed(c.box_clone())
+                            }
+                        })
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    /// Goes back to `mark`, made on this cache before it took more tokens:
+    /// growing caches drop what came after, fixed-size caches return to
+    /// their copies. Fails, naming the cache kind, when a growing cache
+    /// cannot drop them exactly (check [`ModelCache::can_take_back`]
+    /// first).
+    pub fn rewind(&mut self, mark: &CacheMark) -> Result<()> {
+        if mark.layers.len() != self.layers.len() {
+            return Err(Error::Cache("a cache mark of another model".into()));
+        }
+        for (caches, marks) in self.layers.iter_mut().zip(&mark.layers) {
+            for (c, m) in caches.iter_mut().zip(marks) {
+                match m {
+                    Marked::Grows(at) => {
+                        let n = c.offset().checked_sub(*at).ok_or_else(|| {
+                            Error::Cache(format!("a `{}` cache is behind its mark", c.kind()))
+                        })?;
+                        if c.trim(n) != n {
+                            return Err(Error::Cache(format!(
+                                "a `{}` cache cannot drop {n} tokens",
+                                c.kind()
+                            )));
+                        }
+                    }
+                    Marked::Fixed(saved) => *c = saved.box_clone(),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a verify forward ([`Model::verify`]) keeping its first `kept`
+    /// tokens (1..=T): growing caches drop the others, fixed-size caches
+    /// take their state after position `kept` and count `kept` tokens.
+    pub fn commit(&mut self, states: PositionStates, kept: usize) -> Result<()> {
+        let t = states.tokens;
+        if kept == 0 || kept > t || states.layers.len() != self.layers.len() {
+            return Err(Error::Cache(format!(
+                "cannot keep {kept} of {t} verified tokens ({} layers for a cache of {})",
+                states.layers.len(),
+                self.layers.len()
+            )));
+        }
+        for (caches, state) in self.layers.iter_mut().zip(states.layers) {
+            for c in caches.iter_mut().filter(|c| c.grows()) {
+                if c.trim(t - kept) != t - kept {
+                    return Err(Error::Cache(format!(
+                        "a `{}` cache cannot drop {} tokens",
+                        c.kind(),
+                        t - kept
+                    )));
+                }
+            }
+            if state.is_empty() {
+                continue;
+            }
+            let picked = state
+                .iter()
+                .map(|a| Ok(a.try_index(kept as i32 - 1)?))
+                .collect::<Result<Vec<Array>>>()?;
+            scatter_state(caches, picked)?;
+            advance_fixed(caches, kept);
+        }
+        Ok(())
+    }
+
     /// Every array the caches hold (for `eval`/`async_eval`).
     pub fn arrays(&self) -> Vec<Array> {
         let mut out = Vec::new();
@@ -157,6 +255,33 @@ impl ModelCache {
         }
         out
     }
+}
+
+/// What a verify forward ([`Model::verify`]) left for the fixed-size
+/// caches: per layer, its state arrays with a leading axis of one entry per
+/// verified position.
+pub struct PositionStates {
+    layers: Vec<Vec<Array>>,
+    tokens: usize,
+}
+
+impl PositionStates {
+    /// Positions verified (`T`).
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+}
+
+/// A point a [`ModelCache`] can go back to ([`ModelCache::mark`]): the
+/// offsets of its growing caches and copies of its fixed-size ones (array
+/// handles, no data).
+pub struct CacheMark {
+    layers: Vec<Vec<Marked>>,
+}
+
+enum Marked {
+    Grows(usize),
+    Fixed(Box<dyn Cache>),
 }
 
 /// The fixed-size state of one layer's caches, concatenated.
@@ -329,11 +454,27 @@ impl Model {
         x: &Array,
         caches: &mut [Box<dyn Cache>],
     ) -> Result<Array> {
-        let layer = &self.layers[i].layer;
         let tokens = x.shape()[1] as usize;
-        let ctx = || format!("layer {i} ({})", self.layers[i].kind);
         let mut state = gather_state(caches);
-        let carry = layer.before_cache(p, x, &mut state).ctx(ctx)?;
+        let y = self.run_phases(p, i, x, caches, &mut State::new(&mut state))?;
+        scatter_state(caches, state)?;
+        advance_fixed(caches, tokens);
+        Ok(y)
+    }
+
+    /// Layer `i`'s three phases on `x`: the growing cache written, the
+    /// fixed-size state threaded through `state`.
+    fn run_phases(
+        &self,
+        p: &Params,
+        i: usize,
+        x: &Array,
+        caches: &mut [Box<dyn Cache>],
+        state: &mut State<'_>,
+    ) -> Result<Array> {
+        let layer = &self.layers[i].layer;
+        let ctx = || format!("layer {i} ({})", self.layers[i].kind);
+        let carry = layer.before_cache(p, x, state).ctx(ctx)?;
         let carry = if layer.grows() {
             let kv = caches
                 .iter_mut()
@@ -343,15 +484,33 @@ impl Model {
         } else {
             carry
         };
-        let y = layer.after_cache(p, carry, &mut state).ctx(ctx)?;
-        scatter_state(caches, state)?;
-        advance_fixed(caches, tokens);
-        Ok(y)
+        layer.after_cache(p, carry, state).ctx(ctx)
     }
 
-    /// Hidden states after the last layer (before the final norm) for
-    /// `tokens` `[B, T]`, updating `cache`.
-    pub fn forward_hidden(&self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
+    /// The verify forward of speculative decoding: logits of every
+    /// position of `tokens` (`[B, T]`), `[B, T, V]`. Growing caches take
+    /// all `T` tokens; fixed-size caches stay as they were, and their state
+    /// after each position comes back in the [`PositionStates`], for
+    /// [`ModelCache::commit`] to keep the accepted prefix.
+    pub fn verify(
+        &self,
+        tokens: &Array,
+        cache: &mut ModelCache,
+    ) -> Result<(Array, PositionStates)> {
+        self.check_cache(cache)?;
+        let p = self.params.view();
+        let mut x = self.embed_tokens(&p, tokens)?;
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (i, caches) in cache.layers.iter_mut().enumerate() {
+            let mut state = gather_state(caches);
+            x = self.run_phases(&p, i, &x, caches, &mut State::per_position(&mut state))?;
+            layers.push(state);
+        }
+        let tokens = tokens.shape()[1] as usize;
+        Ok((self.logits(&p, &x)?, PositionStates { layers, tokens }))
+    }
+
+    fn check_cache(&self, cache: &ModelCache) -> Result<()> {
         if cache.layers.len() != self.layers.len() {
             return Err(Error::Cache(format!(
                 "cache has {} layers, model has {}",
@@ -359,6 +518,13 @@ impl Model {
                 self.layers.len()
             )));
         }
+        Ok(())
+    }
+
+    /// Hidden states after the last layer (before the final norm) for
+    /// `tokens` `[B, T]`, updating `cache`.
+    pub fn forward_hidden(&self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
+        self.check_cache(cache)?;
         let p = self.params.view();
         let mut x = self.embed_tokens(&p, tokens)?;
         for (i, caches) in cache.layers.iter_mut().enumerate() {
@@ -409,7 +575,6 @@ pub trait ArrayExt {
 
 impl ArrayExt for Array {
     fn index_last(&self, t: i32) -> Result<Array> {
-        use mlx_rs::ops::indexing::TryIndexOp;
         Ok(self.try_index((.., (t - 1)..t, ..))?)
     }
 }

@@ -12,6 +12,7 @@
 //!   [`SegmentedDecoder`] unless compilation is off.
 
 use crate::sampler::{Sampler, SamplerConfig};
+use crate::speculative::{Drafter, SpecStats};
 use mlex_cache::{PromptCache, StateSnapshot};
 use mlex_compile::{CompilePolicy, SegmentedDecoder};
 use mlex_core::error::{Error, Result};
@@ -97,6 +98,8 @@ pub struct Generation {
     pub finish: Finish,
     /// Peak MLX memory during the call, bytes.
     pub peak_memory_bytes: usize,
+    /// Speculative decoding's counters, when a drafter ran.
+    pub speculative: Option<SpecStats>,
 }
 
 impl Generation {
@@ -134,6 +137,9 @@ pub struct Generator {
     /// diverges anywhere re-feeds fewer than this many shared tokens. `0`
     /// keeps only the end of each prompt.
     pub checkpoint_every: usize,
+    /// Speculative decoding: the drafter and the most tokens it proposes
+    /// per round (`None`: plain decode).
+    pub speculative: Option<(Box<dyn Drafter>, usize)>,
 }
 
 impl Generator {
@@ -152,12 +158,19 @@ impl Generator {
             prompt_cache: PromptCache::new(8, 4 << 30),
             prefill_chunk,
             checkpoint_every: DEFAULT_CHECKPOINT_EVERY,
+            speculative: None,
         }
     }
 
     /// True when decode steps are compiled.
     pub fn is_compiled(&self) -> bool {
         self.decoder.is_some()
+    }
+
+    /// One decode step as generation runs it (compiled when the generator
+    /// is): `[B, 1]` tokens → `[B, V]` logits (for benchmarks).
+    pub fn decode_step(&mut self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
+        self.step(tokens, cache)
     }
 
     /// One single-token step: `[B, 1]` tokens → `[B, V]` logits.
@@ -315,7 +328,6 @@ impl Generator {
     ) -> Result<Generation> {
         self.check_prompt(prompt)?;
         let vocab = self.model.vocab_size() as usize;
-        let limit = self.model.max_context.unwrap_or(usize::MAX);
         let mut sampler = Sampler::new(opts.sampler.clone(), vocab)?;
         mlex_core::device::reset_peak_memory()?;
         let start = Instant::now();
@@ -329,10 +341,63 @@ impl Generator {
             .iter()
             .map(|&t| t as i32)
             .collect();
-        let mut history = Array::from_slice(&tail, &[1, tail.len() as i32]);
+        let history = Array::from_slice(&tail, &[1, tail.len() as i32]);
         let use_history = opts.sampler.repetition_penalty != 1.0;
 
-        let mut y = sampler.sample(&logits, use_history.then_some(&history))?;
+        let y = sampler.sample(&logits, use_history.then_some(&history))?;
+        let decoded = match self.speculative.take() {
+            Some((mut drafter, k)) => {
+                let run = self.decode_speculative(
+                    prompt,
+                    opts,
+                    &mut cache,
+                    &mut sampler,
+                    (drafter.as_mut(), k),
+                    y,
+                    on_token,
+                );
+                self.speculative = Some((drafter, k));
+                run?
+            }
+            None => {
+                self.decode_plain(prompt, opts, &mut cache, &mut sampler, y, history, on_token)?
+            }
+        };
+        let end = Instant::now();
+        let first_at = decoded.first_at.unwrap_or(end);
+        if let Some(snap) = prompt_snapshot {
+            checkpoints.push((prompt.len(), snap));
+            self.prompt_cache.insert(&decoded.fed, cache, checkpoints);
+        }
+        Ok(Generation {
+            tokens: decoded.out,
+            prompt_tokens: prompt.len(),
+            reused_tokens: reused,
+            prefill_s: (first_at - start).as_secs_f64(),
+            decode_s: (end - first_at).as_secs_f64(),
+            finish: decoded.finish,
+            peak_memory_bytes: mlex_core::device::peak_memory()?,
+            speculative: decoded.speculative,
+        })
+    }
+
+    /// The plain decode loop, pipelined: step t+1 is handed to MLX before
+    /// the host waits for token t. `y` is the token sampled from the
+    /// prompt's logits, `history` the repetition penalty's context.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_plain(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        cache: &mut ModelCache,
+        sampler: &mut Sampler,
+        mut y: Array,
+        mut history: Array,
+        on_token: &mut dyn FnMut(u32) -> Result<Flow>,
+    ) -> Result<Decoded> {
+        let limit = self.model.max_context.unwrap_or(usize::MAX);
+        let ctx = opts.sampler.repetition_context.max(1);
+        let use_history = opts.sampler.repetition_penalty != 1.0;
         async_eval([&y])?;
         let mut fed: Vec<u32> = prompt.to_vec();
         let mut out = Vec::new();
@@ -345,7 +410,7 @@ impl Generator {
             let more = out.len() + 1 < opts.max_tokens && room;
             let next = if more {
                 let inp = ops::reshape(&y, &[1, 1])?;
-                let logits = self.step(&inp, &mut cache)?;
+                let logits = self.step(&inp, cache)?;
                 if use_history {
                     let yy = ops::reshape(&y.as_dtype(Dtype::Int32)?, &[1, 1])?;
                     let joined = ops::concatenate(&[&history, &yy], 1)?;
@@ -390,20 +455,26 @@ impl Generator {
                 None => break Finish::Length,
             }
         };
-        let end = Instant::now();
-        let first_at = first_at.unwrap_or(end);
-        if let Some(snap) = prompt_snapshot {
-            checkpoints.push((prompt.len(), snap));
-            self.prompt_cache.insert(&fed, cache, checkpoints);
-        }
-        Ok(Generation {
-            tokens: out,
-            prompt_tokens: prompt.len(),
-            reused_tokens: reused,
-            prefill_s: (first_at - start).as_secs_f64(),
-            decode_s: (end - first_at).as_secs_f64(),
+        Ok(Decoded {
+            out,
+            fed,
             finish,
-            peak_memory_bytes: mlex_core::device::peak_memory()?,
+            first_at,
+            speculative: None,
         })
     }
+}
+
+/// What a decode loop returns.
+pub(crate) struct Decoded {
+    /// The generated tokens.
+    pub out: Vec<u32>,
+    /// The tokens the cache holds (prompt and fed output).
+    pub fed: Vec<u32>,
+    /// Why it ended.
+    pub finish: Finish,
+    /// When the first token came.
+    pub first_at: Option<Instant>,
+    /// Speculative decoding's counters.
+    pub speculative: Option<SpecStats>,
 }

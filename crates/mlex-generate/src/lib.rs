@@ -7,7 +7,8 @@
 //! [`text_stream::TextStream`] (tokens to the text a front end shows: cut
 //! at stop strings, a possible stop held back), and
 //! [`generate::Generator`] (the pipelined decode loop with prompt-cache
-//! reuse and compiled segments) and [`batch::BatchGenerator`] (continuous
+//! reuse and compiled segments, and speculative decoding with a
+//! [`speculative::Drafter`]) and [`batch::BatchGenerator`] (continuous
 //! batching: many sequences in one forward).
 #![deny(missing_docs)]
 
@@ -16,6 +17,7 @@ mod chat;
 mod detok;
 mod generate;
 mod sampler;
+mod speculative;
 mod stop;
 mod text_stream;
 mod tokenizer;
@@ -29,6 +31,10 @@ pub use generate::{
 /// The prompt cache a [`Generator`] and a [`BatchGenerator`] reuse prefixes from.
 pub use mlex_cache::PromptCache;
 pub use sampler::{Sampler, SamplerConfig};
+pub use speculative::{
+    accept_or_replace, check_draft_tokens, Draft, DraftModel, DraftRequest, Drafter, PromptLookup,
+    ScriptedDrafter, SpecStats, Spoil, MAX_DRAFT_TOKENS,
+};
 pub use stop::{cut_at_stop, shown_len};
 pub use text_stream::{Pushed, TextStream};
 pub use tokenizer::Tokenizer;

@@ -138,9 +138,11 @@ impl Sampler {
         &self.cfg
     }
 
-    /// Samples from `logits` `[B, V]` given the recent tokens `history`
-    /// (`[B, n]` int32, may be empty); returns `[B]` uint32 ids.
-    pub fn sample(&mut self, logits: &Array, history: Option<&Array>) -> Result<Array> {
+    /// The logits sampling draws from (f32, `[B, V]`): after the logit
+    /// bias and the repetition penalty over `history` (`[B, n]` int32, may
+    /// be empty), and unless greedy, scaled by the temperature with the
+    /// tokens top-k, top-p and min-p drop set to -inf.
+    pub fn filtered(&self, logits: &Array, history: Option<&Array>) -> Result<Array> {
         let mut l = logits.as_dtype(Dtype::Float32)?;
         if let Some(b) = &self.bias {
             l = ops::add(&l, b)?;
@@ -159,7 +161,7 @@ impl Sampler {
             }
         }
         if self.cfg.is_greedy() {
-            return Ok(ops::indexing::argmax_axis(&l, -1, None)?.as_dtype(Dtype::Uint32)?);
+            return Ok(l);
         }
         let neg_inf = Array::from_f32(f32::NEG_INFINITY);
         l = ops::multiply(&l, Array::from_f32(1.0 / self.cfg.temp))?;
@@ -191,6 +193,28 @@ impl Sampler {
                 ops::multiply(&top, Array::from_f32(self.cfg.min_p))?,
             )?;
             l = ops::select(&keep, &l, &neg_inf)?;
+        }
+        Ok(l)
+    }
+
+    /// The distribution a token is drawn from, `[B, V]` f32: the softmax
+    /// of [`Sampler::filtered`], or, when greedy, all mass on the argmax.
+    pub fn probs(&self, logits: &Array, history: Option<&Array>) -> Result<Array> {
+        let l = self.filtered(logits, history)?;
+        if self.cfg.is_greedy() {
+            let top = ops::indexing::argmax_axis(&l, -1, Some(true))?;
+            let ids = ops::arange::<_, i32>(0, l.shape()[l.ndim() - 1], None)?;
+            return Ok(ops::eq(&ids, &top)?.as_dtype(Dtype::Float32)?);
+        }
+        Ok(ops::softmax_axis(&l, -1, true)?)
+    }
+
+    /// Samples from `logits` `[B, V]` given the recent tokens `history`
+    /// (`[B, n]` int32, may be empty); returns `[B]` uint32 ids.
+    pub fn sample(&mut self, logits: &Array, history: Option<&Array>) -> Result<Array> {
+        let l = self.filtered(logits, history)?;
+        if self.cfg.is_greedy() {
+            return Ok(ops::indexing::argmax_axis(&l, -1, None)?.as_dtype(Dtype::Uint32)?);
         }
         let key = self
             .rng

@@ -24,7 +24,7 @@ use crate::layers::ffn::{Ffn, FfnKind, FfnSpec};
 use mlex_cache::StateCache;
 use mlex_core::cache::Cache;
 use mlex_core::error::{Error, Result};
-use mlex_core::layer::{BuildCtx, Carry, Layer, Mixer, StateKind};
+use mlex_core::layer::{BuildCtx, Carry, Layer, Mixer, State, StateKind};
 use mlex_core::nn::{Norm, NormKind};
 use mlex_core::params::{ParamId, Params};
 use mlx_rs::{ops, Array, Dtype};
@@ -379,7 +379,7 @@ impl Block {
         p: &Params,
         x: &Array,
         o: Option<Array>,
-        state: &mut [Array],
+        state: &mut State<'_>,
     ) -> Result<Array> {
         let h = match o {
             None => x.clone(),
@@ -401,8 +401,7 @@ impl Block {
         let mut next = 0;
         let m = match &self.canon_c {
             Some(c) => {
-                let (y, w) = c.forward(p, &m, &state[next])?;
-                state[next] = w;
+                let y = c.forward(p, &m, state, next)?;
                 next += 1;
                 y
             }
@@ -411,11 +410,8 @@ impl Block {
         let y = match &self.canon_d {
             None => ffn.forward(p, &m, None)?,
             Some(d) => {
-                let mut hook = |inner: Array| -> Result<Array> {
-                    let (y, w) = d.forward(p, &inner, &state[next])?;
-                    state[next] = w;
-                    Ok(y)
-                };
+                let mut hook =
+                    |inner: Array| -> Result<Array> { d.forward(p, &inner, state, next) };
                 ffn.forward(p, &m, Some(&mut hook))?
             }
         };
@@ -495,24 +491,24 @@ impl Layer for Block {
         Ok(out)
     }
 
-    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
-        let (mixer_state, own) = state.split_at_mut(self.mixer_state);
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Carry> {
+        let (mut mixer_state, mut own) = state.split_at(self.mixer_state);
         let Some(mixer) = &self.mixer else {
-            return Ok(vec![self.finish(p, x, None, own)?]);
+            return Ok(vec![self.finish(p, x, None, &mut own)?]);
         };
         let h = match &self.mixer_norm {
             Some(n) => n.forward(p, x)?,
             None => x.clone(),
         };
-        let carry = mixer.before_cache(p, &h, mixer_state)?;
+        let carry = mixer.before_cache(p, &h, &mut mixer_state)?;
         if mixer.grows() {
             let mut out = Vec::with_capacity(carry.len() + 1);
             out.push(x.clone());
             out.extend(carry);
             return Ok(out);
         }
-        let o = mixer.after_cache(p, carry, mixer_state)?;
-        Ok(vec![self.finish(p, x, Some(o), own)?])
+        let o = mixer.after_cache(p, carry, &mut mixer_state)?;
+        Ok(vec![self.finish(p, x, Some(o), &mut own)?])
     }
 
     fn grow(&self, p: &Params, carry: Carry, cache: &mut dyn Cache) -> Result<Carry> {
@@ -527,13 +523,14 @@ impl Layer for Block {
         Ok(out)
     }
 
-    fn after_cache(&self, p: &Params, carry: Carry, state: &mut [Array]) -> Result<Array> {
+    fn after_cache(&self, p: &Params, carry: Carry, state: &mut State<'_>) -> Result<Array> {
         let x = first(&carry)?;
         match &self.mixer {
             Some(mixer) if mixer.grows() => {
-                let (mixer_state, own) = state.split_at_mut(self.mixer_state);
-                let o = mixer.after_cache(p, carry.into_iter().skip(1).collect(), mixer_state)?;
-                self.finish(p, &x, Some(o), own)
+                let (mut mixer_state, mut own) = state.split_at(self.mixer_state);
+                let o =
+                    mixer.after_cache(p, carry.into_iter().skip(1).collect(), &mut mixer_state)?;
+                self.finish(p, &x, Some(o), &mut own)
             }
             // The whole block ran before the cache.
             _ => Ok(x),

@@ -26,7 +26,7 @@ use mlex_core::arch::{Architecture, HeadPlan, LayerPlan, ModelPlan};
 use mlex_core::cache::Cache;
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
-use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, StateKind};
+use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, State, StateKind};
 use mlex_core::nn::{Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
 use mlx_rs::ops::indexing::IndexOp;
@@ -78,7 +78,7 @@ impl Layer for GatedMlp {
     fn make_caches(&self, _batch: usize, _dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         Ok(Vec::new())
     }
-    fn before_cache(&self, p: &Params, x: &Array, _state: &mut [Array]) -> Result<Carry> {
+    fn before_cache(&self, p: &Params, x: &Array, _state: &mut State<'_>) -> Result<Carry> {
         let y = self.up.forward(p, &self.norm.forward(p, x)?)?;
         let g = ops::sigmoid(p.get(self.gate)?)?;
         Ok(vec![ops::add(x, ops::multiply(&g, &y)?)?])
@@ -196,7 +196,7 @@ impl Layer for Ema {
         let spec = StateSpec::new("h", &[batch as i32, self.hidden], Dtype::Float32);
         Ok(vec![Box::new(StateCache::zeros("ema", &[spec])?)])
     }
-    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Carry> {
         let a = ops::sigmoid(p.get(self.decay)?)?;
         let one_minus = ops::subtract(Array::from_f32(1.0), &a)?;
         let mut h = state[0].clone();
@@ -206,8 +206,10 @@ impl Layer for Ema {
             h = ops::add(ops::multiply(&a, &h)?, ops::multiply(&one_minus, &xt)?)?;
             ys.push(h.clone());
         }
-        state[0] = h;
         let hs = ops::stack(&ys, 1)?.as_dtype(x.dtype())?;
+        // The state after each position is each output (a verify run of
+        // speculative decoding keeps them all).
+        state.set(0, ys)?;
         Ok(vec![ops::add(x, self.out.forward(p, &hs)?)?])
     }
 }

@@ -126,6 +126,12 @@ fn parse_line(
 }
 
 pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
+    if a.speculative.lookup || a.speculative.draft_model.is_some() {
+        return Err(Error::invalid(
+            "--prompts-file",
+            "speculative decoding (--lookup, --draft-model) runs one prompt at a time for now; drop one of them",
+        ));
+    }
     let content = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
     let loaded = load_with(&a.model, registry)?;
     let vocab = loaded.model.vocab_size() as usize;

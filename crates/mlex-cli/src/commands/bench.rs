@@ -49,6 +49,13 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     if let Some(n) = a.shared_prefix {
         return run_shared_prefix(&a, &mut g, &arch, n as usize, vocab);
     }
+    if let Some(acc) = a.draft_acceptance {
+        return run_draft_acceptance(&a, registry, &mut g, &arch, acc, &prompt, &opts);
+    }
+    if a.verify_cost {
+        return run_verify_cost(&a, &mut g, &arch, &prompt);
+    }
+    crate::session::speculative(&mut g, &a.speculative, &a.model, registry)?;
     // Warm-up: compiles the decode segments and warms the allocator.
     g.generate(&prompt, &opts(a.gen.min(8)), &mut |_| Ok(Flow::Continue))?;
     let mut best: Option<mlex_generate::Generation> = None;
@@ -109,10 +116,165 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         "decode_tok_s": r.decode_tok_s(),
         "ttft_s": r.prefill_s,
         "peak_memory_bytes": peak,
+        "speculative": r.speculative.as_ref().map(super::generate::speculative_json),
     });
     if a.format == Format::Json {
         println!("{out}");
     }
+    Ok(())
+}
+
+/// The median and the range of `v`.
+fn spread(v: &[f64]) -> serde_json::Value {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    json!({
+        "median": s.get(s.len() / 2).copied().unwrap_or(0.0),
+        "min": s.first().copied().unwrap_or(0.0),
+        "max": s.last().copied().unwrap_or(0.0),
+    })
+}
+
+/// `--draft-acceptance`: plain decode against speculative decoding whose
+/// drafter is right with probability `acc` per token.
+fn run_draft_acceptance(
+    a: &BenchArgs,
+    registry: &Registry,
+    g: &mut Generator,
+    arch: &str,
+    acc: f64,
+    prompt: &[u32],
+    opts: &dyn Fn(usize) -> GenerateOptions,
+) -> Result<()> {
+    if !(0.0..=1.0).contains(&acc) {
+        return Err(Error::invalid(
+            "--draft-acceptance",
+            format!("{acc} is outside 0..=1"),
+        ));
+    }
+    let k = mlex_generate::check_draft_tokens(a.speculative.draft_tokens)?;
+    let vocab = g.model.vocab_size() as u32;
+    // Warm-up, and the script: the model's own greedy continuation.
+    let plain0 = g.generate(prompt, &opts(a.gen), &mut |_| Ok(Flow::Continue))?;
+    let mut script = prompt.to_vec();
+    script.extend(&plain0.tokens);
+    let oracle = || -> Result<Generator> {
+        let loaded = load_with(&a.model, registry)?;
+        Ok(crate::session::generator(loaded.model, &a.model))
+    };
+    let drafter = |seed: u64| -> Result<Box<dyn mlex_generate::Drafter>> {
+        Ok(Box::new(
+            mlex_generate::ScriptedDrafter::new(
+                script.clone(),
+                vocab,
+                mlex_generate::Spoil::Random { acceptance: acc },
+                seed,
+            )
+            .with_oracle(oracle()?),
+        ))
+    };
+    g.speculative = Some((drafter(0)?, k));
+    g.generate(prompt, &opts(a.gen.min(16)), &mut |_| Ok(Flow::Continue))?;
+    let (mut plain, mut spec, mut peak_plain, mut peak_spec) = (Vec::new(), Vec::new(), 0, 0);
+    let mut same = 0;
+    let mut last = None;
+    for i in 0..a.repeats.max(1) {
+        g.speculative = None;
+        let r = g.generate(prompt, &opts(a.gen), &mut |_| Ok(Flow::Continue))?;
+        plain.push(r.decode_tok_s());
+        peak_plain = peak_plain.max(r.peak_memory_bytes);
+        g.speculative = Some((drafter(i as u64 + 1)?, k));
+        let r = g.generate(prompt, &opts(a.gen), &mut |_| Ok(Flow::Continue))?;
+        // In low precision the output may leave the plain one at a near
+        // tie (the verify forward rounds its products differently); the
+        // bench-only drafter's time (its oracle's) is not counted.
+        same += usize::from(r.tokens == plain0.tokens);
+        let draft_s = r.speculative.as_ref().map_or(0.0, |s| s.draft_s);
+        spec.push((r.tokens.len() - 1) as f64 / (r.decode_s - draft_s).max(1e-9));
+        peak_spec = peak_spec.max(r.peak_memory_bytes);
+        last = r.speculative;
+    }
+    g.speculative = None;
+    let ratios: Vec<f64> = spec.iter().zip(&plain).map(|(s, p)| s / p).collect();
+    let out = json!({
+        "model": a.model.model,
+        "arch": arch,
+        "compiled": g.is_compiled(),
+        "prompt_tokens": prompt.len(),
+        "generated_tokens": a.gen,
+        "draft_tokens": k,
+        "draft_acceptance": acc,
+        "plain_decode_tok_s": spread(&plain),
+        "speculative_decode_tok_s": spread(&spec),
+        "speedup": spread(&ratios),
+        "plain_peak_memory_bytes": peak_plain,
+        "peak_memory_bytes": peak_spec,
+        "speculative": last.as_ref().map(super::generate::speculative_json),
+        "runs_equal_to_plain": same,
+    });
+    println!("{out}");
+    Ok(())
+}
+
+/// `--verify-cost`: seconds of one verify forward over T tokens (T =
+/// 1..=8) against one decode step, after the prompt.
+fn run_verify_cost(a: &BenchArgs, g: &mut Generator, arch: &str, prompt: &[u32]) -> Result<()> {
+    use mlx_rs::transforms::eval;
+    use mlx_rs::Array;
+    use std::time::Instant;
+    let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
+    let mut base = g.model.make_cache(1)?;
+    g.model
+        .forward_last(&Array::from_slice(&ids, &[1, ids.len() as i32]), &mut base)?
+        .eval()?;
+    eval(base.arrays().iter())?;
+    let repeats = a.repeats.max(3);
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        f()?; // warm-up (and compilation)
+        let mut v = Vec::new();
+        for _ in 0..repeats {
+            let t0 = Instant::now();
+            f()?;
+            v.push(t0.elapsed().as_secs_f64());
+        }
+        v.sort_by(|a, b| a.total_cmp(b));
+        Ok(v[v.len() / 2])
+    };
+    let step_s = {
+        let mut run = || -> Result<()> {
+            let mut c = base.clone();
+            let l = g.decode_step(&Array::from_slice(&[ids[0]], &[1, 1]), &mut c)?;
+            l.eval()?;
+            eval(c.arrays().iter())?;
+            Ok(())
+        };
+        time(&mut run)?
+    };
+    let mut rows = Vec::new();
+    for t in 1..=8usize {
+        let cyc: Vec<i32> = (0..t).map(|i| ids[i % ids.len()]).collect();
+        let x = Array::from_slice(&cyc, &[1, t as i32]);
+        let mut run = || -> Result<()> {
+            let mut c = base.clone();
+            let (l, states) = g.model.verify(&x, &mut c)?;
+            l.eval()?;
+            c.commit(states, t)?;
+            eval(c.arrays().iter())?;
+            Ok(())
+        };
+        let s = time(&mut run)?;
+        rows.push(json!({"tokens": t, "verify_s": s, "cost_in_steps": s / step_s}));
+    }
+    let out = json!({
+        "model": a.model.model,
+        "arch": arch,
+        "compiled": g.is_compiled(),
+        "prompt_tokens": prompt.len(),
+        "decode_step_s": step_s,
+        "verify": rows,
+        "peak_memory_bytes": mlex_core::device::peak_memory()?,
+    });
+    println!("{out}");
     Ok(())
 }
 

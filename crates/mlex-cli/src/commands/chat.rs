@@ -17,6 +17,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
     let opts = generate_options(&a.sampling, Some(&tokenizer), vocab)?;
     let fingerprint = loaded.fingerprint.clone();
     let mut generator = crate::session::generator(loaded.model, &a.model);
+    crate::session::speculative(&mut generator, &a.speculative, &a.model, registry)?;
     let cache_file = match &a.prompt_cache {
         Some(dir) => Some(open_prompt_cache(&mut generator, dir, &fingerprint)?),
         None => None,

@@ -45,6 +45,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
     let loaded_fingerprint = loaded.fingerprint.clone();
     let mut generator = crate::session::generator(loaded.model, &a.model);
+    crate::session::speculative(&mut generator, &a.speculative, &a.model, registry)?;
     let cache_file = match &a.prompt_cache {
         Some(dir) => Some(open_prompt_cache(&mut generator, dir, &loaded_fingerprint)?),
         None => None,
@@ -96,15 +97,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
             .write_all(rest.as_bytes())
             .map_err(|e| Error::io("<stdout>", e))?;
         writeln!(stdout).map_err(|e| Error::io("<stdout>", e))?;
-        eprintln!(
-            "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | peak memory {:.3} GB | {}",
-            g.prompt_tokens,
-            g.prefill_tok_s(),
-            g.tokens.len(),
-            g.decode_tok_s(),
-            g.peak_memory_bytes as f64 / 1e9,
-            if generator.is_compiled() { "compiled" } else { "eager" }
-        );
+        eprintln!("{}", summary(&g, generator.is_compiled()));
         if interrupted {
             eprintln!("interrupted");
         }
@@ -123,8 +116,57 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
             "peak_memory_bytes": g.peak_memory_bytes,
             "finish_reason": finish,
             "compiled": generator.is_compiled(),
+            "speculative": g.speculative.as_ref().map(speculative_json),
         });
         writeln!(stdout, "{out}").map_err(|e| Error::io("<stdout>", e))?;
     }
     Ok(())
+}
+
+/// A speculative generation's counters for JSON output: acceptance per
+/// draft position, mean accepted length and the time split.
+pub fn speculative_json(s: &mlex_generate::SpecStats) -> serde_json::Value {
+    let per_position: Vec<f64> = s
+        .accepted_at
+        .iter()
+        .zip(&s.proposed_at)
+        .map(|(&a, &p)| a as f64 / p.max(1) as f64)
+        .collect();
+    json!({
+        "drafter": s.drafter,
+        "draft_tokens": s.draft_tokens,
+        "rounds": s.rounds,
+        "plain_steps": s.plain_steps,
+        "proposed": s.proposed,
+        "accepted": s.accepted,
+        "acceptance": s.acceptance(),
+        "acceptance_per_position": per_position,
+        "mean_accepted_length": s.mean_accepted_length(),
+        "draft_s": s.draft_s,
+        "verify_s": s.verify_s,
+        "commit_s": s.commit_s,
+    })
+}
+
+/// The text-mode summary line: speeds, memory, decode mode, and what a
+/// drafter achieved.
+fn summary(g: &mlex_generate::Generation, compiled: bool) -> String {
+    let mut line = format!(
+        "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | peak memory {:.3} GB | {}",
+        g.prompt_tokens,
+        g.prefill_tok_s(),
+        g.tokens.len(),
+        g.decode_tok_s(),
+        g.peak_memory_bytes as f64 / 1e9,
+        if compiled { "compiled" } else { "eager" }
+    );
+    if let Some(s) = &g.speculative {
+        line.push_str(&format!(
+            " | {}: {:.0}% of drafts accepted, {:.2} tokens a verify",
+            s.drafter,
+            100.0 * s.acceptance(),
+            s.mean_accepted_length()
+        ));
+    }
+    line
 }

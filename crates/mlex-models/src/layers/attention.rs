@@ -18,7 +18,7 @@ use crate::block::size;
 use mlex_cache::{KvCache, RotatingKvCache, StateCache};
 use mlex_core::cache::{AttentionMask, Cache};
 use mlex_core::error::{Error, Result};
-use mlex_core::layer::{BuildCtx, Carry, Mixer, StateKind};
+use mlex_core::layer::{BuildCtx, Carry, Mixer, State, StateKind};
 use mlex_core::nn::{FusedLinear, Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
 use mlx_rs::fast::ScaledDotProductAttentionMask;
@@ -352,13 +352,12 @@ impl StateCursor {
         p: &Params,
         c: Option<&Canon>,
         x: Array,
-        state: &mut [Array],
+        state: &mut State<'_>,
     ) -> Result<Array> {
         match c {
             None => Ok(x),
             Some(c) => {
-                let (y, next) = c.forward(p, &x, &state[self.0])?;
-                state[self.0] = next;
+                let y = c.forward(p, &x, state, self.0)?;
                 self.0 += 1;
                 Ok(y)
             }
@@ -421,7 +420,7 @@ impl Mixer for Attention {
         Ok(out)
     }
 
-    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Carry> {
         let mut cur = StateCursor(0);
         let h = cur.canon(p, self.canon_a.as_ref(), x.clone(), state)?;
         let (mut q, mut k, mut v) = match <[Array; 3]>::try_from(self.qkv.forward(p, &h)?) {
@@ -527,7 +526,7 @@ impl Mixer for Attention {
         Ok(out)
     }
 
-    fn after_cache(&self, p: &Params, carry: Carry, _state: &mut [Array]) -> Result<Array> {
+    fn after_cache(&self, p: &Params, carry: Carry, _state: &mut State<'_>) -> Result<Array> {
         let mut it = carry.into_iter();
         let o = it
             .next()

@@ -7,9 +7,9 @@
 //! belong to the attention mixer, C and D to the block around it; both
 //! take the same `canon` option and use their own positions.
 
-use mlex_cache::conv_window_step;
+use mlex_cache::conv_window_into;
 use mlex_core::error::Result;
-use mlex_core::layer::BuildCtx;
+use mlex_core::layer::{BuildCtx, State};
 use mlex_core::nn::{silu, DepthwiseConv};
 use mlex_core::params::{ParamId, Params};
 use mlex_core::weights::WeightLoader;
@@ -81,9 +81,10 @@ impl Canon {
         self.conv.params()
     }
 
-    /// `x` `[B, T, C]` with `window` `[B, K-1, C]` → (output, new window).
-    pub fn forward(&self, p: &Params, x: &Array, window: &Array) -> Result<(Array, Array)> {
-        let (padded, next) = conv_window_step(window, x)?;
+    /// `x` `[B, T, C]`, reading and writing its window `[B, K-1, C]`,
+    /// array `i` of the layer's state.
+    pub fn forward(&self, p: &Params, x: &Array, state: &mut State<'_>, i: usize) -> Result<Array> {
+        let padded = conv_window_into(state, i, x)?;
         let mut y = self.conv.forward(p, &padded)?;
         if self.activation {
             y = silu(&y)?;
@@ -91,6 +92,6 @@ impl Canon {
         if self.residual {
             y = ops::add(x, &y)?;
         }
-        Ok((y, next))
+        Ok(y)
     }
 }

@@ -13,14 +13,15 @@
 //! fixed size, so the whole mixer is one pure phase.
 
 use crate::block::size;
-use mlex_cache::{conv_window_step, StateCache};
+use mlex_cache::{conv_window_into, StateCache};
 use mlex_core::cache::Cache;
 use mlex_core::dispatch::Dispatch;
 use mlex_core::error::Result;
-use mlex_core::layer::{BuildCtx, Carry, Mixer, StateKind};
+use mlex_core::layer::{BuildCtx, Carry, Mixer, State, StateKind};
 use mlex_core::nn::{silu, DepthwiseConv, FusedLinear, Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
 use mlex_kernels::{gated_delta, gated_delta_method};
+use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
 use serde::Deserialize;
 
@@ -193,12 +194,11 @@ impl GatedDelta {
         }
     }
 
-    fn mixer(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Array> {
+    fn mixer(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Array> {
         let s = x.shape();
         let (bsz, len) = (s[0], s[1]);
         let (qkv, z, b, a) = self.project(p, x)?;
-        let (padded, window) = conv_window_step(&state[0], &qkv)?;
-        state[0] = window;
+        let padded = conv_window_into(state, 0, &qkv)?;
         let conv_out = silu(&self.conv.forward(p, &padded)?)?;
         let heads = gated_delta::Heads {
             key_heads: self.nk,
@@ -208,17 +208,46 @@ impl GatedDelta {
         };
         let (a_log, dt_bias) = (p.get(self.a_log)?, p.get(self.dt_bias)?);
         let dispatch = &self.dispatch;
-        let out = if len == 1 {
-            // One token (decode) is traced inside its compiled segment.
+        let out = if len == 1 || state.keeps_positions() {
+            // One token (decode) is traced inside its compiled segment; a
+            // verify run takes the same step per position, so that its
+            // state after each position is the one decode would reach.
             let fused = dispatch.fused_decode && gated_delta::fused_decode_supported(heads);
             let step = if fused {
                 gated_delta::decode_fused
             } else {
                 gated_delta::decode_ops
             };
-            let (y, next) = step(&conv_out, &a, &b, a_log, dt_bias, &state[1], heads)?;
-            state[1] = next;
-            y
+            let mut ys = Vec::with_capacity(len as usize);
+            let mut after = Vec::with_capacity(len as usize);
+            let mut s = state[1].clone();
+            for t in 0..len {
+                let at = |x: &Array| -> Result<Array> {
+                    Ok(if len == 1 {
+                        x.clone()
+                    } else {
+                        x.try_index((.., t..t + 1))?
+                    })
+                };
+                let (y, next) = step(
+                    &at(&conv_out)?,
+                    &at(&a)?,
+                    &at(&b)?,
+                    a_log,
+                    dt_bias,
+                    &s,
+                    heads,
+                )?;
+                ys.push(y);
+                after.push(next.clone());
+                s = next;
+            }
+            state.set(1, after)?;
+            if len == 1 {
+                ys.swap_remove(0)
+            } else {
+                ops::concatenate(&ys, 1)?
+            }
         } else {
             let prepared = gated_delta::prepare(&conv_out, &a, &b, a_log, dt_bias, heads)?;
             let method = gated_delta_method(dispatch, len as usize);
@@ -278,7 +307,7 @@ impl Mixer for GatedDelta {
         )?)])
     }
 
-    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Carry> {
         Ok(vec![self.mixer(p, x, state)?])
     }
 

@@ -6,10 +6,10 @@
 //! State: conv window `[B, K-1, C]` and SSM state `[B, H, Dh, Ds]` (f32).
 
 use crate::block::size;
-use mlex_cache::{conv_window_step, StateCache};
+use mlex_cache::{conv_window_into, StateCache};
 use mlex_core::cache::Cache;
 use mlex_core::error::Result;
-use mlex_core::layer::{BuildCtx, Carry, Mixer, StateKind};
+use mlex_core::layer::{BuildCtx, Carry, Mixer, State, StateKind};
 use mlex_core::nn::{silu, softplus, swiglu, DepthwiseConv, Linear};
 use mlex_core::params::{ParamId, Params};
 use mlex_kernels::mamba2;
@@ -227,7 +227,7 @@ impl Mamba2 {
         Ok((ops::add(&y, ops::multiply(x, &dskip)?)?, state))
     }
 
-    fn mixer(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Array> {
+    fn mixer(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Array> {
         let s = x.shape();
         let (bsz, len) = (s[0], s[1]);
         let inner = self.heads * self.head_dim;
@@ -235,8 +235,7 @@ impl Mamba2 {
         let proj = self.in_proj.forward(p, x)?;
         let parts = ops::split_at_indices(&proj, &[inner, inner + conv_dim], -1)?;
         let (gate, conv_in, dt) = (&parts[0], &parts[1], &parts[2]);
-        let (padded, window) = conv_window_step(&state[0], conv_in)?;
-        state[0] = window;
+        let padded = conv_window_into(state, 0, conv_in)?;
         let conv_out = silu(&self.conv.forward(p, &padded)?)?;
         let shape = mamba2::Shape {
             heads: self.heads,
@@ -245,26 +244,47 @@ impl Mamba2 {
             state_dim: self.state_dim,
             dt_limit: self.dt_limit,
         };
-        let fused = len == 1 && self.fused_decode && mamba2::fused_decode_supported(shape);
-        let (y, next) = if fused {
-            // One token on CUDA: the whole SSM step in one kernel.
-            let params = mamba2::Params {
-                dt_bias: p.get(self.dt_bias)?,
-                a_log: p.get(self.a_log)?,
-                d: p.get(self.d)?,
-            };
-            mamba2::decode_fused(&conv_out, dt, params, &state[1], shape)?
-        } else {
+        let gn = self.groups * self.state_dim;
+        // One run of the SSM over `x`'s positions from state `s`.
+        let ssm = |conv_out: &Array, dt: &Array, s: &Array| -> Result<(Array, Array)> {
+            let n = conv_out.shape()[1];
+            if n == 1 && self.fused_decode && mamba2::fused_decode_supported(shape) {
+                // One token on CUDA: the whole SSM step in one kernel.
+                let params = mamba2::Params {
+                    dt_bias: p.get(self.dt_bias)?,
+                    a_log: p.get(self.a_log)?,
+                    d: p.get(self.d)?,
+                };
+                return mamba2::decode_fused(conv_out, dt, params, s, shape);
+            }
             // The SSD form for any length, as mlx-lm's `ssm_attn` runs it
             // off Metal (decode included), so low-precision rounding matches.
-            let gn = self.groups * self.state_dim;
-            let cs = ops::split_at_indices(&conv_out, &[inner, inner + gn], -1)?;
-            let hs = ops::reshape(&cs[0], &[bsz, len, self.heads, self.head_dim])?;
-            let bm = ops::reshape(&cs[1], &[bsz, len, self.groups, self.state_dim])?;
-            let cm = ops::reshape(&cs[2], &[bsz, len, self.groups, self.state_dim])?;
-            self.ssm(p, &hs, dt, &bm, &cm, &state[1])?
+            let cs = ops::split_at_indices(conv_out, &[inner, inner + gn], -1)?;
+            let hs = ops::reshape(&cs[0], &[bsz, n, self.heads, self.head_dim])?;
+            let bm = ops::reshape(&cs[1], &[bsz, n, self.groups, self.state_dim])?;
+            let cm = ops::reshape(&cs[2], &[bsz, n, self.groups, self.state_dim])?;
+            self.ssm(p, &hs, dt, &bm, &cm, s)
         };
-        state[1] = next;
+        let y = if state.keeps_positions() && len > 1 {
+            // A verify run: the decode step per position, keeping the
+            // state after each.
+            let mut ys = Vec::with_capacity(len as usize);
+            let mut after = Vec::with_capacity(len as usize);
+            let mut s = state[1].clone();
+            for t in 0..len {
+                let at = |x: &Array| -> Result<Array> { Ok(x.try_index((.., t..t + 1))?) };
+                let (y, next) = ssm(&at(&conv_out)?, &at(dt)?, &s)?;
+                ys.push(y);
+                after.push(next.clone());
+                s = next;
+            }
+            state.set(1, after)?;
+            ops::concatenate(&ys, 1)?
+        } else {
+            let (y, next) = ssm(&conv_out, dt, &state[1])?;
+            state.set(1, vec![next])?;
+            y
+        };
         let y = ops::reshape(&y, &[bsz, len, inner])?;
         // Gated, grouped RMS norm (MambaRMSNormGated).
         let y = swiglu(gate, &y)?;
@@ -327,7 +347,7 @@ impl Mixer for Mamba2 {
         )?)])
     }
 
-    fn before_cache(&self, p: &Params, x: &Array, state: &mut [Array]) -> Result<Carry> {
+    fn before_cache(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Carry> {
         Ok(vec![self.mixer(p, x, state)?])
     }
 

@@ -11,7 +11,7 @@
 //! - **Compiled segments**: single-token steps run through
 //!   [`SegmentedDecoder`] unless compilation is off.
 
-use crate::sampler::{Sampler, SamplerConfig};
+use crate::sampler::{history_of, token_id, Sampler, SamplerConfig};
 use crate::speculative::{Drafter, SpecStats};
 use mlex_cache::{PromptCache, StateSnapshot};
 use mlex_compile::{CompilePolicy, SegmentedDecoder};
@@ -337,11 +337,7 @@ impl Generator {
         let prompt_snapshot = opts.use_prompt_cache.then(|| StateSnapshot::of(&cache));
 
         let ctx = opts.sampler.repetition_context.max(1);
-        let tail: Vec<i32> = prompt[prompt.len().saturating_sub(ctx)..]
-            .iter()
-            .map(|&t| t as i32)
-            .collect();
-        let history = Array::from_slice(&tail, &[1, tail.len() as i32]);
+        let history = history_of(prompt, ctx);
         let use_history = opts.sampler.repetition_penalty != 1.0;
 
         let y = sampler.sample(&logits, use_history.then_some(&history))?;
@@ -423,9 +419,7 @@ impl Generator {
             } else {
                 None
             };
-            let tok = y
-                .try_item_exact::<u32>()
-                .map_err(|e| Error::Other(e.to_string()))?;
+            let tok = token_id(&y)?;
             if first_at.is_none() {
                 first_at = Some(Instant::now());
             }

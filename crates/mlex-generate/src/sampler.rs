@@ -225,6 +225,22 @@ impl Sampler {
     }
 }
 
+/// Token ids `[1, n]` int32 of the last `ctx` of `tokens` (the
+/// repetition penalty's history).
+pub(crate) fn history_of(tokens: &[u32], ctx: usize) -> Array {
+    let tail: Vec<i32> = tokens[tokens.len().saturating_sub(ctx)..]
+        .iter()
+        .map(|&t| t as i32)
+        .collect();
+    Array::from_slice(&tail, &[1, tail.len() as i32])
+}
+
+/// The id a sampled `[1]` uint32 array holds (waits for it).
+pub(crate) fn token_id(a: &Array) -> Result<u32> {
+    a.try_item_exact::<u32>()
+        .map_err(|e| Error::Other(e.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,30 +5,14 @@ use super::{
     SpecStats,
 };
 use crate::generate::{Decoded, Finish, Flow, GenerateOptions, Generator};
-use crate::sampler::Sampler;
-use mlex_core::error::{Error, Result};
+use crate::sampler::{history_of, token_id, Sampler};
+use mlex_core::error::Result;
 use mlex_core::model::ModelCache;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::time::Instant;
-
-/// Token ids `[1, n]` int32 of the last `ctx` of `tokens` (the
-/// repetition penalty's history).
-fn history_of(tokens: &[u32], ctx: usize) -> Array {
-    let tail: Vec<i32> = tokens[tokens.len().saturating_sub(ctx)..]
-        .iter()
-        .map(|&t| t as i32)
-        .collect();
-    Array::from_slice(&tail, &[1, tail.len() as i32])
-}
-
-fn item(a: &Array) -> Result<u32> {
-    a.as_dtype(Dtype::Uint32)?
-        .try_item_exact::<u32>()
-        .map_err(|e| Error::Other(e.to_string()))
-}
 
 impl Generator {
     /// The decode loop with a drafter: `first` is the token sampled from
@@ -63,7 +47,7 @@ impl Generator {
         };
         let mut fed: Vec<u32> = prompt.to_vec();
         let mut out: Vec<u32> = Vec::new();
-        let mut pending = vec![item(&first)?];
+        let mut pending = vec![token_id(&first)?];
         let first_at = Instant::now();
         let finish = loop {
             if let Some(f) = emit(&mut pending, &mut out, opts, on_token)? {
@@ -80,17 +64,19 @@ impl Generator {
             let kk = k
                 .min(opts.max_tokens - out.len() - 1)
                 .min(limit - fed.len() - 2);
-            let mut context = fed.clone();
-            context.push(y);
             let mut draft = Draft::default();
             if kk > 0 {
                 let t0 = Instant::now();
-                draft = drafter.propose(DraftRequest {
-                    context: &context,
+                // The context is what the cache holds and `y`.
+                fed.push(y);
+                let proposed = drafter.propose(DraftRequest {
+                    context: &fed,
                     k: kk,
                     sampler,
                     rng: &mut rng,
-                })?;
+                });
+                fed.pop();
+                draft = proposed?;
                 draft.tokens.truncate(kk);
                 stats.draft_s += t0.elapsed().as_secs_f64();
             }
@@ -102,7 +88,7 @@ impl Generator {
                 let logits = self.step(&Array::from_slice(&[y as i32], &[1, 1]), cache)?;
                 fed.push(y);
                 let hist = use_history.then(|| history_of(&fed, ctx));
-                pending.push(item(&sampler.sample(&logits, hist.as_ref())?)?);
+                pending.push(token_id(&sampler.sample(&logits, hist.as_ref())?)?);
                 stats.plain_steps += 1;
                 continue;
             }

@@ -3,6 +3,7 @@
 
 use super::{draw, host_probs, Draft, DraftRequest, Drafter};
 use crate::generate::Generator;
+use crate::sampler::token_id;
 use mlex_core::error::{Error, Result};
 use mlex_core::model::{CacheMark, ModelCache};
 use mlx_rs::{ops, Array, Dtype};
@@ -195,9 +196,7 @@ impl Drafter for DraftModel {
         for j in 0..req.k {
             let t = if greedy {
                 let id = ops::indexing::argmax_axis(&logits, -1, None)?;
-                id.as_dtype(Dtype::Uint32)?
-                    .try_item_exact::<u32>()
-                    .map_err(|e| Error::Other(e.to_string()))?
+                token_id(&id.as_dtype(Dtype::Uint32)?)?
             } else {
                 let q = host_probs(&req.sampler.probs(&logits, None)?)?;
                 let t = draw(&q, req.rng);

@@ -315,6 +315,13 @@ pub struct BenchArgs {
     /// plain and speculative runs, medians and spread.
     #[arg(long, value_name = "A", conflicts_with_all = ["batch", "shared_prefix", "lookup", "draft_model"])]
     pub draft_acceptance: Option<f64>,
+    /// With `--draft-acceptance`: each round keeps exactly the drafts
+    /// before the first spoiled one, whatever the model says (the output
+    /// is then not the model's). On random weights in low precision, near
+    /// ties make the model's own continuation an unreliable script; this
+    /// measures the mechanism at the set acceptance.
+    #[arg(long, requires = "draft_acceptance")]
+    pub force_acceptance: bool,
     /// The cost of one verify forward over T = 1..=8 tokens against one
     /// decode step, after a `--prompt-len` prompt (`--repeats` timings
     /// each, medians).

@@ -1732,6 +1732,31 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
     let acc = v["speculative"]["acceptance"].as_f64().unwrap();
     assert!(acc > 0.0 && acc < 1.0, "{v}");
     assert!(v["peak_memory_bytes"].as_u64().unwrap() > 0);
+    // Forced acceptance 1: every draft kept.
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&m)
+        .args(["--prompt-len", "8", "--gen", "24", "--repeats", "1"])
+        .args([
+            "--draft-acceptance",
+            "1",
+            "--force-acceptance",
+            "--draft-tokens",
+            "3",
+        ])
+        .args(["--format", "json"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    assert_eq!(v["forced_acceptance"], true, "{v}");
+    assert_eq!(v["speculative"]["acceptance"].as_f64(), Some(1.0), "{v}");
+    let s = &v["speculative"];
+    assert!(s["rounds"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(s["accepted"], s["proposed"], "{v}");
     let out = mlex()
         .arg("bench")
         .arg("--model")

@@ -20,7 +20,9 @@ use crate::schedule::{Phase, Schedule, Step};
 use crate::trace::CompiledTrace;
 use mlex_core::error::{Error, Result};
 use mlex_core::layer::{Layer, State};
-use mlex_core::model::{advance_fixed, gather_state, scatter_state, Model, ModelCache, OutputHead};
+use mlex_core::model::{
+    advance_fixed, gather_state, scatter_state, Model, ModelCache, OutputHead, PositionStates,
+};
 use mlex_core::nn::Embedding;
 use mlex_core::params::{ParamId, Params};
 use mlx_rs::error::Exception;
@@ -39,6 +41,8 @@ struct SegmentFn {
     n_carry: usize,
     param_ids: Vec<ParamId>,
     n_params_total: usize,
+    /// A verify trace: state leaves with one entry per position.
+    per_position: bool,
 }
 
 impl SegmentFn {
@@ -75,6 +79,7 @@ impl SegmentFn {
             |i| self.layers[slot_of(i)].1.as_ref(),
             slot_of,
             &mut states,
+            self.per_position,
             carry,
         )?;
         let mut out = carry;
@@ -106,13 +111,50 @@ struct SegmentPlan {
     compiled: bool,
 }
 
-/// Runs a model's single-token decode step through compiled segments.
+/// Runs a model's single-token decode step, and the verify forward of
+/// speculative decoding, through compiled segments.
 pub struct SegmentedDecoder {
     schedule: Schedule,
     policy: CompilePolicy,
     plans: Vec<SegmentPlan>,
     key: u64,
     traces: Vec<CompiledTrace>,
+    /// The verify forward's traces, one per segment: MLX keeps one trace
+    /// per input shape under each, so every `T` is traced once.
+    verify_traces: Vec<CompiledTrace>,
+}
+
+/// Where a segment's fixed-size state comes from and goes to.
+enum StateFlow<'a> {
+    /// A decode step: read from the cache, written back to it.
+    Cache,
+    /// A verify forward: read from the cache the first time a layer is
+    /// touched, then from `states` (a layer cut by its growing cache is
+    /// touched twice), which ends with every layer's state per position.
+    Positions(&'a mut [Option<Vec<Array>>]),
+}
+
+impl StateFlow<'_> {
+    fn read(&self, cache: &ModelCache, i: usize) -> Vec<Array> {
+        match self {
+            StateFlow::Positions(s) if s[i].is_some() => s[i].clone().expect("checked"),
+            _ => gather_state(&cache.layers[i]),
+        }
+    }
+
+    fn write(&mut self, cache: &mut ModelCache, i: usize, state: Vec<Array>) -> Result<()> {
+        match self {
+            StateFlow::Cache => scatter_state(&mut cache.layers[i], state),
+            StateFlow::Positions(s) => {
+                s[i] = Some(state);
+                Ok(())
+            }
+        }
+    }
+
+    fn per_position(&self) -> bool {
+        matches!(self, StateFlow::Positions(_))
+    }
 }
 
 /// What identifies the weight structure a trace was built for.
@@ -170,15 +212,14 @@ impl SegmentedDecoder {
     pub fn with_policy(model: &Model, policy: CompilePolicy) -> Self {
         let grows: Vec<bool> = model.layers.iter().map(|s| s.layer.grows()).collect();
         let schedule = Schedule::new(&grows);
-        let traces = (0..schedule.num_segments())
-            .map(|_| CompiledTrace::new())
-            .collect();
+        let traces = |_| CompiledTrace::new();
         Self {
-            schedule,
             policy,
             plans: Vec::new(),
             key: 0,
-            traces,
+            traces: (0..schedule.num_segments()).map(traces).collect(),
+            verify_traces: (0..schedule.num_segments()).map(traces).collect(),
+            schedule,
         }
     }
 
@@ -200,6 +241,15 @@ impl SegmentedDecoder {
             .collect()
     }
 
+    /// How often each segment's verify trace has been traced (once per
+    /// verified length `T` when it compiles).
+    pub fn verify_times_traced(&self) -> Vec<usize> {
+        self.verify_traces
+            .iter()
+            .map(CompiledTrace::times_traced)
+            .collect()
+    }
+
     /// One decode step: `tokens` `[B, 1]` → logits `[B, V]`; updates `cache`.
     pub fn step(&mut self, model: &Model, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
         if tokens.ndim() != 2 || tokens.shape()[1] != 1 {
@@ -211,6 +261,44 @@ impl SegmentedDecoder {
                 ),
             ));
         }
+        let logits = self.run(model, tokens, cache, StateFlow::Cache)?;
+        for caches in cache.layers.iter_mut() {
+            advance_fixed(caches, 1);
+        }
+        Ok(ops::squeeze_axes(&logits, &[1])?)
+    }
+
+    /// The verify forward of speculative decoding ([`Model::verify`]),
+    /// through the same segments: `tokens` `[B, T]` → logits `[B, T, V]`
+    /// and the fixed-size state after every position, for
+    /// [`ModelCache::commit`]. Growing caches take all `T` tokens.
+    pub fn verify(
+        &mut self,
+        model: &Model,
+        tokens: &Array,
+        cache: &mut ModelCache,
+    ) -> Result<(Array, PositionStates)> {
+        if tokens.ndim() != 2 || tokens.shape()[1] < 1 {
+            return Err(Error::invalid(
+                "tokens",
+                format!("verify takes [B, T] tokens, got {:?}", tokens.shape()),
+            ));
+        }
+        let mut states: Vec<Option<Vec<Array>>> = vec![None; model.layers.len()];
+        let logits = self.run(model, tokens, cache, StateFlow::Positions(&mut states))?;
+        let layers = states.into_iter().map(Option::unwrap_or_default).collect();
+        let t = tokens.shape()[1] as usize;
+        Ok((logits, PositionStates::new(layers, t)))
+    }
+
+    /// Runs the schedule over `tokens`; the logits of every position.
+    fn run(
+        &mut self,
+        model: &Model,
+        tokens: &Array,
+        cache: &mut ModelCache,
+        mut flow: StateFlow<'_>,
+    ) -> Result<Array> {
         if cache.layers.len() != model.layers.len() {
             return Err(Error::Cache("cache does not match the model".into()));
         }
@@ -219,6 +307,11 @@ impl SegmentedDecoder {
             self.plans = plans(model, &self.schedule, self.policy)?;
             self.key = key;
         }
+        let traces = if flow.per_position() {
+            &mut self.verify_traces
+        } else {
+            &mut self.traces
+        };
         let eager = model.params.view();
         let mut carry: Vec<Array> = vec![tokens.clone()];
         let mut seg = 0;
@@ -235,22 +328,18 @@ impl SegmentedDecoder {
                 Step::Segment(_) => {
                     let plan = &self.plans[seg];
                     carry = if plan.compiled {
-                        run_compiled(&mut self.traces[seg], plan, key, model, carry, cache)?
+                        run_compiled(&mut traces[seg], plan, key, model, carry, cache, &mut flow)?
                     } else {
-                        run_eager(plan, model, carry, cache)?
+                        run_eager(plan, model, carry, cache, &mut flow)?
                     };
                     seg += 1;
                 }
             }
         }
-        for caches in cache.layers.iter_mut() {
-            advance_fixed(caches, 1);
-        }
-        let logits = carry
+        carry
             .into_iter()
             .next()
-            .ok_or_else(|| Error::Other("decode produced no logits".into()))?;
-        Ok(ops::squeeze_axes(&logits, &[1])?)
+            .ok_or_else(|| Error::Other("decode produced no logits".into()))
     }
 }
 
@@ -266,21 +355,37 @@ fn run_phases<'a>(
     layer: impl Fn(usize) -> &'a dyn Layer,
     slot: impl Fn(usize) -> usize,
     states: &mut [Vec<Array>],
+    per_position: bool,
     mut carry: Vec<Array>,
 ) -> Result<Vec<Array>> {
     for phase in phases {
         carry = match *phase {
             Phase::Embed => vec![embed.forward(p, &carry[0])?],
-            Phase::BeforeCache(i) => {
-                layer(i).before_cache(p, &carry[0], &mut State::new(&mut states[slot(i)]))?
-            }
+            Phase::BeforeCache(i) => layer(i).before_cache(
+                p,
+                &carry[0],
+                &mut view(&mut states[slot(i)], per_position),
+            )?,
             Phase::AfterCache(i) => {
-                vec![layer(i).after_cache(p, carry, &mut State::new(&mut states[slot(i)]))?]
+                vec![layer(i).after_cache(
+                    p,
+                    carry,
+                    &mut view(&mut states[slot(i)], per_position),
+                )?]
             }
             Phase::Logits => vec![output.forward(p, &carry[0])?],
         };
     }
     Ok(carry)
+}
+
+/// A layer's state as a phase sees it: per position in a verify run.
+fn view(state: &mut [Array], per_position: bool) -> State<'_> {
+    if per_position {
+        State::per_position(state)
+    } else {
+        State::new(state)
+    }
 }
 
 /// Runs a segment's phases eagerly (the same functions the trace runs).
@@ -289,13 +394,10 @@ fn run_eager(
     model: &Model,
     mut carry: Vec<Array>,
     cache: &mut ModelCache,
+    flow: &mut StateFlow<'_>,
 ) -> Result<Vec<Array>> {
     let p = model.params.view();
-    let mut states: Vec<Vec<Array>> = plan
-        .touched
-        .iter()
-        .map(|&i| gather_state(&cache.layers[i]))
-        .collect();
+    let mut states: Vec<Vec<Array>> = plan.touched.iter().map(|&i| flow.read(cache, i)).collect();
     let slot_of = |i: usize| plan.touched.iter().position(|l| *l == i).expect("touched");
     carry = run_phases(
         &plan.phases,
@@ -305,15 +407,17 @@ fn run_eager(
         |i| model.layers[i].layer.as_ref(),
         slot_of,
         &mut states,
+        flow.per_position(),
         carry,
     )?;
     for (&i, s) in plan.touched.iter().zip(states) {
-        scatter_state(&mut cache.layers[i], s)?;
+        flow.write(cache, i, s)?;
     }
     Ok(carry)
 }
 
 /// Runs a segment through its compiled trace.
+#[allow(clippy::too_many_arguments)]
 fn run_compiled(
     trace: &mut CompiledTrace,
     plan: &SegmentPlan,
@@ -321,12 +425,13 @@ fn run_compiled(
     model: &Model,
     carry: Vec<Array>,
     cache: &mut ModelCache,
+    flow: &mut StateFlow<'_>,
 ) -> Result<Vec<Array>> {
     let n_carry = carry.len();
     let mut inputs = carry;
     let mut state_counts = Vec::with_capacity(plan.touched.len());
     for &i in &plan.touched {
-        let s = gather_state(&cache.layers[i]);
+        let s = flow.read(cache, i);
         state_counts.push(s.len());
         inputs.extend(s);
     }
@@ -350,6 +455,7 @@ fn run_compiled(
             n_carry,
             param_ids: plan.param_ids.clone(),
             n_params_total: model.params.len(),
+            per_position: flow.per_position(),
         };
         move |args: &[Array]| f.run(args)
     })?;
@@ -358,7 +464,7 @@ fn run_compiled(
     let carry = it.by_ref().take(n_out_carry).collect();
     for (&i, &n) in plan.touched.iter().zip(&state_counts) {
         let s: Vec<Array> = it.by_ref().take(n).collect();
-        scatter_state(&mut cache.layers[i], s)?;
+        flow.write(cache, i, s)?;
     }
     Ok(carry)
 }

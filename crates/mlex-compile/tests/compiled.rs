@@ -155,6 +155,93 @@ fn compiled_decode_equals_eager_on_every_architecture() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The compiled verify forward of speculative decoding against the eager
+/// one, on every architecture, with attention through MLX's kernel and as
+/// ops (`Dispatch::ops_attention_rows`): the logits of every position, and the cache
+/// after keeping each prefix (growing caches trimmed, fixed-size state
+/// picked per position) then one more decode step.
+#[test]
+fn compiled_verify_equals_eager_verify_on_every_architecture() {
+    let all = fixtures();
+    let names: Vec<&Fixture> = all
+        .iter()
+        .filter(|f| f.dtype == "float32" && f.quant.is_none() && f.layout != "gguf")
+        .collect();
+    assert!(names.len() >= 8, "expected fixtures of every architecture");
+    let mut failures = Vec::new();
+    for f in names {
+        let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
+        let loaded = mlex_models::load::load(path_of(f).to_str().unwrap(), &registry).unwrap();
+        let model = &loaded.model;
+        // The same weights with every verify row attending as ops (CUDA's
+        // default from 4 rows on), compiled under the first policy.
+        let mut ops_rows = mlex_core::dispatch::Dispatch::from_env().unwrap();
+        ops_rows.ops_attention_rows = Some((2, 32));
+        let path = path_of(f);
+        let with_ops = mlex_models::load::load_with(path.to_str().unwrap(), &registry, &ops_rows);
+        let with_ops = with_ops.unwrap().model;
+        let r = reference(f);
+        let mut base = model.make_cache(1).unwrap();
+        prefill(model, &mut base, &r.prompt, None);
+        for (policy, model) in [
+            (CompilePolicy::All, &with_ops),
+            (CompilePolicy::Recurrent, model),
+        ] {
+            let mut dec = SegmentedDecoder::with_policy(model, policy);
+            for (t, kept) in [(2usize, 1usize), (4, 4), (7, 3), (4, 2)] {
+                let ids: Vec<i32> = (0..t as i32).map(|i| (7 * i + 3) % 50).collect();
+                let (mut eager_cache, mut compiled_cache) = (base.clone(), base.clone());
+                let (le, se) = loaded
+                    .model
+                    .verify(&tokens(&ids), &mut eager_cache)
+                    .unwrap();
+                let (lc, sc) = dec
+                    .verify(model, &tokens(&ids), &mut compiled_cache)
+                    .unwrap();
+                assert_eq!(lc.shape(), le.shape(), "{}", f.name);
+                let mut worst = relative(&to_f32(&lc), &to_f32(&le));
+                eager_cache.commit(se, kept).unwrap();
+                compiled_cache.commit(sc, kept).unwrap();
+                let (ae, ac) = (eager_cache.arrays(), compiled_cache.arrays());
+                assert_eq!(ae.len(), ac.len());
+                for (a, b) in ae.iter().zip(&ac) {
+                    assert_eq!(a.shape(), b.shape(), "{}: a cache array", f.name);
+                    worst = worst.max(relative(&to_f32(b), &to_f32(a)));
+                }
+                let next = tokens(&[11]);
+                let after_e = loaded.model.forward_last(&next, &mut eager_cache).unwrap();
+                let after_c = dec.step(model, &next, &mut compiled_cache).unwrap();
+                worst = worst.max(relative(&to_f32(&after_c), &to_f32(&after_e)));
+                if worst > 1e-5 {
+                    failures.push(format!(
+                        "{} ({policy:?}) T={t} kept {kept}: relative difference {worst}",
+                        f.name
+                    ));
+                }
+            }
+            // One trace per verified length (2, 4, 7) in every compiled
+            // segment, none in the eager ones; the decode step's own.
+            let which = dec.compiled_segments();
+            for (k, (&n, &c)) in dec.verify_times_traced().iter().zip(&which).enumerate() {
+                assert_eq!(
+                    n,
+                    if c { 3 } else { 0 },
+                    "{} ({policy:?}) segment {k}",
+                    f.name
+                );
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The largest difference between `a` and `b` relative to `b`'s largest
+/// magnitude (at least 1).
+fn relative(a: &[f32], b: &[f32]) -> f32 {
+    let (d, m) = max_diff(a, b);
+    d / m.max(1.0)
+}
+
 #[test]
 fn a_weight_update_after_compiling_changes_the_next_step() {
     let f = fixture("qwen3_5-f32");

@@ -40,6 +40,12 @@ pub struct Dispatch {
     /// Dense products whose row count is in this range run as the few-row
     /// kernel (CUDA only; `MLEX_SKINNY_ROWS`, `0` or `LO-HI`).
     pub skinny_rows: Option<(i32, i32)>,
+    /// Causal attention of this many query rows over a longer KV cache
+    /// runs as ops instead of MLX's fused kernel (CUDA only: there MLX
+    /// builds a cuDNN plan per key length, which a speculative verify
+    /// forward changes every round; `MLEX_OPS_ATTENTION_ROWS`, `0` or
+    /// `LO-HI`).
+    pub ops_attention_rows: Option<(i32, i32)>,
     /// The few-row kernel, when a kernels crate provides one.
     pub dense_product: Option<DenseProduct>,
     /// Projections of one input (q/k/v, gate/up) concatenated into one
@@ -70,6 +76,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "row range of the few-row product: 0 (off) or LO-HI within 1-64",
     ),
     (
+        "MLEX_OPS_ATTENTION_ROWS",
+        "causal query rows over a longer cache that attend as ops: 0 (off) or LO-HI within 1-64",
+    ),
+    (
         "MLEX_FUSE_PROJECTIONS",
         "0 keeps q/k/v and gate/up as separate products",
     ),
@@ -89,6 +99,9 @@ impl Dispatch {
             gated_delta_min_len: 8,
             fused_decode: cuda,
             skinny_rows: cuda.then_some((2, 32)),
+            // Measured on the H200: causal calls of 2 rows and more over
+            // a longer cache each built a cuDNN plan per key length.
+            ops_attention_rows: cuda.then_some((2, 32)),
             dense_product: None,
             fuse_projections: true,
             dequantize_f32_products: cuda_device,
@@ -129,6 +142,15 @@ impl Dispatch {
             self.skinny_rows = parse_rows(&v)
                 .ok_or_else(|| bad("MLEX_SKINNY_ROWS", &v, "0 or a range LO-HI within 1-64"))?;
         }
+        if let Some(v) = var("MLEX_OPS_ATTENTION_ROWS") {
+            self.ops_attention_rows = parse_rows(&v).ok_or_else(|| {
+                bad(
+                    "MLEX_OPS_ATTENTION_ROWS",
+                    &v,
+                    "0 or a range LO-HI within 1-64",
+                )
+            })?;
+        }
         if let Some(v) = var("MLEX_FUSE_PROJECTIONS") {
             self.fuse_projections = flag("MLEX_FUSE_PROJECTIONS", &v)?;
         }
@@ -149,6 +171,7 @@ impl Dispatch {
             "fused_decode": self.fused_decode,
             "skinny_rows": self.skinny_rows.map(|(lo, hi)| format!("{lo}-{hi}")),
             "few_row_kernel": self.dense_product.is_some() && self.skinny_rows.is_some(),
+            "ops_attention_rows": self.ops_attention_rows.map(|(lo, hi)| format!("{lo}-{hi}")),
             "fuse_projections": self.fuse_projections,
             "dequantize_f32_products": self.dequantize_f32_products,
             "prefill_chunk": self.prefill_chunk,
@@ -203,7 +226,9 @@ mod tests {
         let d = with(&[]).unwrap();
         assert_eq!(d.gated_delta_chunk, Some(128));
         assert_eq!(d.skinny_rows, Some((2, 32)));
+        assert_eq!(d.ops_attention_rows, Some((2, 32)));
         let d = with(&[
+            ("MLEX_OPS_ATTENTION_ROWS", "0"),
             ("MLEX_GATED_DELTA_CHUNK", "0"),
             ("MLEX_FUSED_DECODE", "0"),
             ("MLEX_SKINNY_ROWS", "4-16"),
@@ -213,9 +238,11 @@ mod tests {
         assert_eq!(d.gated_delta_chunk, None);
         assert!(!d.fused_decode && !d.fuse_projections);
         assert_eq!(d.skinny_rows, Some((4, 16)));
+        assert_eq!(d.ops_attention_rows, None);
         for (k, v) in [
             ("MLEX_GATED_DELTA_CHUNK", "48"),
             ("MLEX_SKINNY_ROWS", "0-8"),
+            ("MLEX_OPS_ATTENTION_ROWS", "2-99"),
             ("MLEX_FUSED_DECODE", "yes"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();

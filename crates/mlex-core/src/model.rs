@@ -266,6 +266,13 @@ pub struct PositionStates {
 }
 
 impl PositionStates {
+    /// Per layer, its state arrays each with a leading axis of `tokens`
+    /// entries (empty for a layer with no fixed-size state), as a verify
+    /// forward of another driver (the compiled segments) leaves them.
+    pub fn new(layers: Vec<Vec<Array>>, tokens: usize) -> Self {
+        Self { layers, tokens }
+    }
+
     /// Positions verified (`T`).
     pub fn tokens(&self) -> usize {
         self.tokens

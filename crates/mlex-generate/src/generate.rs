@@ -16,7 +16,7 @@ use crate::speculative::{Drafter, SpecStats};
 use mlex_cache::{PromptCache, StateSnapshot};
 use mlex_compile::{CompilePolicy, SegmentedDecoder};
 use mlex_core::error::{Error, Result};
-use mlex_core::model::{Model, ModelCache};
+use mlex_core::model::{Model, ModelCache, PositionStates};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{ops, Array, Dtype};
@@ -171,6 +171,20 @@ impl Generator {
     /// is): `[B, 1]` tokens → `[B, V]` logits (for benchmarks).
     pub fn decode_step(&mut self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
         self.step(tokens, cache)
+    }
+
+    /// The verify forward of speculative decoding as generation runs it
+    /// (compiled when the generator is): `[B, T]` tokens → `[B, T, V]`
+    /// logits and the state after each position ([`Model::verify`]).
+    pub fn verify(
+        &mut self,
+        tokens: &Array,
+        cache: &mut ModelCache,
+    ) -> Result<(Array, PositionStates)> {
+        match &mut self.decoder {
+            Some(d) => d.verify(&self.model, tokens, cache),
+            None => self.model.verify(tokens, cache),
+        }
     }
 
     /// One single-token step: `[B, 1]` tokens → `[B, V]` logits.

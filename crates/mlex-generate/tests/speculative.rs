@@ -336,3 +336,39 @@ fn the_prompt_cache_after_speculative_decoding_restores_exactly() {
         );
     }
 }
+
+/// The benchmarks' forced acceptance: every draft kept at 1, none at 0,
+/// about the set share in between (rounds keep the drafts before the first
+/// spoiled one: mean kept per round `sum_{i=1..k} a^i`), whatever the model
+/// would have said; the output at acceptance 0 is the model's own.
+#[test]
+fn forced_acceptance_keeps_the_set_share_of_drafts() {
+    let f = fixture("qwen3_5-f32");
+    let mut g = Generator::new(model_of(&f), true);
+    let vocab = g.model.vocab_size() as u32;
+    let p = prompt(vocab);
+    let (plain, _) = run(&mut g, &p, 24);
+    let k = 3;
+    let mut kept_per_round = Vec::new();
+    for (seed, acceptance) in [(1u64, 1.0), (2, 0.0), (3, 0.7)] {
+        let d = ScriptedDrafter::new(p.clone(), vocab, Spoil::Forced { acceptance }, seed);
+        g.speculative = Some((Box::new(d), k));
+        let (out, stats) = run(&mut g, &p, 400);
+        let s = stats.expect("speculative stats");
+        assert!(s.rounds > 20, "{s:?}");
+        kept_per_round.push(s.accepted as f64 / s.rounds as f64);
+        if acceptance == 0.0 {
+            assert_eq!(out[..24], plain[..], "nothing kept: plain output");
+        }
+    }
+    let expected = 0.7 + 0.49 + 0.343;
+    assert!(
+        (kept_per_round[0] - k as f64).abs() < 0.1,
+        "{kept_per_round:?}"
+    );
+    assert_eq!(kept_per_round[1], 0.0);
+    assert!(
+        (kept_per_round[2] - expected).abs() < 0.25,
+        "{kept_per_round:?} against {expected}"
+    );
+}

@@ -163,15 +163,23 @@ fn run_draft_acceptance(
         Ok(crate::session::generator(loaded.model, &a.model))
     };
     let drafter = |seed: u64| -> Result<Box<dyn mlex_generate::Drafter>> {
-        Ok(Box::new(
-            mlex_generate::ScriptedDrafter::new(
+        use mlex_generate::{ScriptedDrafter, Spoil};
+        Ok(Box::new(if a.force_acceptance {
+            ScriptedDrafter::new(
                 script.clone(),
                 vocab,
-                mlex_generate::Spoil::Random { acceptance: acc },
+                Spoil::Forced { acceptance: acc },
                 seed,
             )
-            .with_oracle(oracle()?),
-        ))
+        } else {
+            ScriptedDrafter::new(
+                script.clone(),
+                vocab,
+                Spoil::Random { acceptance: acc },
+                seed,
+            )
+            .with_oracle(oracle()?)
+        }))
     };
     g.speculative = Some((drafter(0)?, k));
     g.generate(prompt, &opts(a.gen.min(16)), &mut |_| Ok(Flow::Continue))?;
@@ -204,6 +212,7 @@ fn run_draft_acceptance(
         "generated_tokens": a.gen,
         "draft_tokens": k,
         "draft_acceptance": acc,
+        "forced_acceptance": a.force_acceptance,
         "plain_decode_tok_s": spread(&plain),
         "speculative_decode_tok_s": spread(&spec),
         "speedup": spread(&ratios),
@@ -256,7 +265,7 @@ fn run_verify_cost(a: &BenchArgs, g: &mut Generator, arch: &str, prompt: &[u32])
         let x = Array::from_slice(&cyc, &[1, t as i32]);
         let mut run = || -> Result<()> {
             let mut c = base.clone();
-            let (l, states) = g.model.verify(&x, &mut c)?;
+            let (l, states) = g.verify(&x, &mut c)?;
             l.eval()?;
             c.commit(states, t)?;
             eval(c.arrays().iter())?;

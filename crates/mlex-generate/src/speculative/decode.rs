@@ -96,7 +96,7 @@ impl Generator {
             let mut input: Vec<i32> = vec![y as i32];
             input.extend(draft.tokens.iter().map(|&t| t as i32));
             let x = Array::from_slice(&input, &[1, input.len() as i32]);
-            let (logits, states) = self.model.verify(&x, cache)?;
+            let (logits, states) = self.verify(&x, cache)?;
             let judge = Judge {
                 sampler,
                 logits: ops::squeeze_axes(&logits, &[0])?,
@@ -177,6 +177,14 @@ impl Judge<'_> {
     /// after them all).
     fn emitted(&self, draft: &Draft, greedy: bool, rng: &mut StdRng) -> Result<Vec<u32>> {
         let n = draft.tokens.len();
+        if let Some(m) = draft.keep {
+            // Benchmarks only: the target's token after a set prefix.
+            let m = m.min(n);
+            let targets = argmax_ids(&self.sampler.filtered(&self.logits, None)?)?;
+            let mut emitted = draft.tokens[..m].to_vec();
+            emitted.push(targets[m]);
+            return Ok(emitted);
+        }
         let mut emitted = Vec::with_capacity(n + 1);
         if greedy {
             let targets: Vec<u32> = if self.history.is_some() {

@@ -99,7 +99,7 @@ impl Drafter for PromptLookup {
         self.last_proposed = tokens.len();
         Ok(Draft {
             tokens,
-            probs: None,
+            ..Draft::default()
         })
     }
 
@@ -215,6 +215,7 @@ impl Drafter for DraftModel {
         Ok(Draft {
             tokens,
             probs: (!greedy).then_some(probs),
+            keep: None,
         })
     }
 
@@ -241,6 +242,16 @@ pub enum Spoil {
     /// Round `r` spoils its token `r mod (k + 1)` (none when that is `k`),
     /// so rejections fall at every position in turn.
     Cycle,
+    /// As `Random`, and the round keeps exactly the tokens before the
+    /// first spoiled one whatever the target says ([`Draft::keep`]): on
+    /// random weights in low precision a verify forward and a decode step
+    /// round near ties apart, so the target's own continuation is no
+    /// reliable script. Off the script it proposes arbitrary tokens.
+    /// Benchmarks only: the output is not the target's.
+    Forced {
+        /// The chance a token is kept.
+        acceptance: f64,
+    },
 }
 
 /// A drafter for tests and benchmarks, where random weights make every
@@ -300,7 +311,8 @@ impl Drafter for ScriptedDrafter {
 
     fn propose(&mut self, req: DraftRequest<'_>) -> Result<Draft> {
         let len = req.context.len();
-        if !self.on_script(req.context) {
+        let forced = matches!(self.spoil, Spoil::Forced { .. });
+        if !self.on_script(req.context) && !forced {
             let Some(oracle) = self.oracle.as_mut() else {
                 return Ok(Draft::default());
             };
@@ -317,21 +329,33 @@ impl Drafter for ScriptedDrafter {
             self.script.extend(more.tokens);
             self.resyncs += 1;
         }
-        let mut tokens = self.script[len..(len + req.k).min(self.script.len())].to_vec();
+        let mut tokens = if self.on_script(req.context) {
+            self.script[len..(len + req.k).min(self.script.len())].to_vec()
+        } else {
+            (0..req.k)
+                .map(|_| self.rng.random_range(0..self.vocab))
+                .collect()
+        };
         let cycle_at = self.round % (req.k + 1);
         self.round += 1;
+        let mut keep = None;
         for (i, t) in tokens.iter_mut().enumerate() {
             let spoil = match self.spoil {
-                Spoil::Random { acceptance } => self.rng.random::<f64>() >= acceptance,
+                Spoil::Random { acceptance } | Spoil::Forced { acceptance } => {
+                    self.rng.random::<f64>() >= acceptance
+                }
                 Spoil::Cycle => i == cycle_at,
             };
             if spoil {
                 *t = (*t + 1 + self.rng.random_range(0..self.vocab - 1)) % self.vocab;
+                keep = keep.or(Some(i));
             }
         }
+        let keep = forced.then(|| keep.unwrap_or(tokens.len()));
         Ok(Draft {
             tokens,
             probs: None,
+            keep,
         })
     }
 

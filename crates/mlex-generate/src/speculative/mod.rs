@@ -53,6 +53,11 @@ pub struct Draft {
     /// each); `None` when the tokens were chosen, not sampled (point
     /// masses).
     pub probs: Option<Vec<Vec<f32>>>,
+    /// Benchmarks only ([`Spoil::Forced`]): the round keeps exactly this
+    /// many draft tokens whatever the target says, then the target's own
+    /// token after them. The output is then not the target's; it measures
+    /// the mechanism at a set acceptance.
+    pub keep: Option<usize>,
 }
 
 /// What a drafter gets to make a proposal.

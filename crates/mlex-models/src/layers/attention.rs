@@ -14,14 +14,14 @@
 
 use super::canon::{Canon, CanonOptions};
 use super::rope::Rope;
+use super::sdpa::attend;
 use crate::block::size;
 use mlex_cache::{KvCache, RotatingKvCache, StateCache};
-use mlex_core::cache::{AttentionMask, Cache};
+use mlex_core::cache::Cache;
 use mlex_core::error::{Error, Result};
 use mlex_core::layer::{BuildCtx, Carry, Mixer, State, StateKind};
 use mlex_core::nn::{FusedLinear, Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
-use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::{fast, ops, Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
@@ -139,6 +139,8 @@ pub struct Attention {
     scale: f32,
     window: Option<usize>,
     attention_f32: bool,
+    /// Causal query rows that attend as ops ([`attend`]).
+    ops_attention_rows: Option<(i32, i32)>,
     hidden: i32,
 }
 
@@ -284,6 +286,7 @@ impl Attention {
             scale: o.scale.map_or((head_dim as f32).powf(-0.5), |s| s as f32),
             window: o.sliding_window,
             attention_f32: o.attention_f32,
+            ops_attention_rows: ctx.weights.dispatch().ops_attention_rows,
             hidden,
         })
     }
@@ -500,22 +503,14 @@ impl Mixer for Attention {
         } else {
             (q, keys)
         };
-        let o = match &mask {
-            AttentionMask::None => {
-                fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, None, None)?
-            }
-            AttentionMask::Causal => fast::scaled_dot_product_attention(
-                &q,
-                &keys,
-                &values,
-                self.scale,
-                ScaledDotProductAttentionMask::Causal,
-                None,
-            )?,
-            AttentionMask::Array(m) => {
-                fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, m, None)?
-            }
-        };
+        let o = attend(
+            &q,
+            &keys,
+            &values,
+            self.scale,
+            &mask,
+            self.ops_attention_rows,
+        )?;
         let o = if self.attention_f32 {
             o.as_dtype(out_dtype)?
         } else {

@@ -16,3 +16,4 @@ pub mod ffn;
 pub mod gated_delta;
 pub mod mamba2;
 pub mod rope;
+pub mod sdpa;

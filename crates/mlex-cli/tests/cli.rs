@@ -312,6 +312,16 @@ fn bench_reports_speed_and_memory() {
     assert!(ttft > 0.0);
     assert!((computed / ttft / v["prefill_tok_s"].as_f64().unwrap() - 1.0).abs() < 1e-6);
     assert!(v["peak_memory_bytes"].as_u64().unwrap() > 0);
+    // Where the memory is: MLX's counters (peak at least what is live)
+    // and, on Linux, the process's resident set.
+    let m = &v["memory"];
+    let (peak, active) = (m["mlx_peak_bytes"].as_u64(), m["mlx_active_bytes"].as_u64());
+    assert!(peak.unwrap() > 0 && peak >= active, "{v}");
+    assert!(m["mlx_cache_bytes"].as_u64().is_some(), "{v}");
+    if cfg!(target_os = "linux") {
+        let (rss, hwm) = (m["rss_bytes"].as_u64(), m["rss_peak_bytes"].as_u64());
+        assert!(rss.unwrap() > 0 && hwm >= rss, "{v}");
+    }
     assert_eq!(v["generated_tokens"], 8);
 }
 

@@ -198,3 +198,61 @@ pub fn reset_peak_memory() -> Result<()> {
 pub fn active_memory() -> Result<usize> {
     Ok(mlx_rs::memory::active_memory()?)
 }
+
+/// Where the memory is, at one moment: MLX's allocator counters and the
+/// process's resident set (for the benchmarks' JSON).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// MLX's peak allocation since start or the last reset.
+    pub peak: usize,
+    /// MLX's live arrays.
+    pub active: usize,
+    /// Freed buffers MLX keeps for reuse (its buffer cache).
+    pub cache: usize,
+    /// The process's resident set (Linux: `/proc/self/status`; `None`
+    /// elsewhere).
+    pub rss: Option<usize>,
+    /// The process's highest resident set (as `rss`).
+    pub rss_peak: Option<usize>,
+}
+
+impl MemoryReport {
+    /// The counters now.
+    pub fn now() -> Result<Self> {
+        let (rss, rss_peak) = process_rss();
+        Ok(Self {
+            peak: mlx_rs::memory::peak_memory()?,
+            active: mlx_rs::memory::active_memory()?,
+            cache: mlx_rs::memory::cache_memory()?,
+            rss,
+            rss_peak,
+        })
+    }
+
+    /// As JSON, in bytes.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "mlx_peak_bytes": self.peak,
+            "mlx_active_bytes": self.active,
+            "mlx_cache_bytes": self.cache,
+            "rss_bytes": self.rss,
+            "rss_peak_bytes": self.rss_peak,
+        })
+    }
+}
+
+/// `VmRSS` and `VmHWM` of `/proc/self/status`, in bytes.
+fn process_rss() -> (Option<usize>, Option<usize>) {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return (None, None);
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .map(|kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}

@@ -105,6 +105,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     }
     let out = json!({
         "model": a.model.model,
+        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
         "arch": arch,
         "device": info.default_device,
         "backend": info.backend.to_string(),
@@ -206,6 +207,7 @@ fn run_draft_acceptance(
     let ratios: Vec<f64> = spec.iter().zip(&plain).map(|(s, p)| s / p).collect();
     let out = json!({
         "model": a.model.model,
+        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
         "arch": arch,
         "compiled": g.is_compiled(),
         "prompt_tokens": prompt.len(),
@@ -276,6 +278,7 @@ fn run_verify_cost(a: &BenchArgs, g: &mut Generator, arch: &str, prompt: &[u32])
     }
     let out = json!({
         "model": a.model.model,
+        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
         "arch": arch,
         "compiled": g.is_compiled(),
         "prompt_tokens": prompt.len(),
@@ -361,6 +364,7 @@ fn run_batch(
     let info = mlex_core::device::runtime_info()?;
     let out = json!({
         "model": a.model.model,
+        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
         "arch": arch,
         "device": info.default_device,
         "backend": info.backend.to_string(),
@@ -524,6 +528,7 @@ fn run_shared_prefix(
     }
     let out = json!({
         "model": a.model.model,
+        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
         "arch": arch,
         "device": info.default_device,
         "backend": info.backend.to_string(),

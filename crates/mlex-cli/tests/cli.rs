@@ -1794,4 +1794,17 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
         .stderr
         .clone();
     assert!(String::from_utf8_lossy(&out).contains("--draft-acceptance"));
+    // --force-acceptance alone has nothing to force.
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&m)
+        .arg("--force-acceptance")
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(e.contains("--draft-acceptance"), "{e}");
 }

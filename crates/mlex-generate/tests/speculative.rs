@@ -358,7 +358,10 @@ fn forced_acceptance_keeps_the_set_share_of_drafts() {
         assert!(s.rounds > 20, "{s:?}");
         kept_per_round.push(s.accepted as f64 / s.rounds as f64);
         if acceptance == 0.0 {
-            assert_eq!(out[..24], plain[..], "nothing kept: plain output");
+            // Nothing kept: the plain output (a near tie may break apart
+            // between a verify's and a step's products, as in the
+            // exactness test).
+            assert_same(&g.model, &p, &plain, &out[..24], "forced acceptance 0");
         }
     }
     let expected = 0.7 + 0.49 + 0.343;

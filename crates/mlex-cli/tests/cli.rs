@@ -1714,28 +1714,31 @@ fn speculative_options_reject_bad_values_naming_them() {
     );
 }
 
-#[test]
-fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
-    let m = fixture_path("nemotron_h-f32");
+/// `mlex bench --model m --prompt-len 8 --draft-tokens 3 ARGS --format
+/// json`, which must succeed: its JSON.
+fn bench_json(m: &std::path::Path, args: &[&str]) -> Value {
     let out = mlex()
         .arg("bench")
         .arg("--model")
-        .arg(&m)
-        .args(["--prompt-len", "8", "--gen", "24", "--repeats", "2"])
-        .args([
-            "--draft-acceptance",
-            "0.8",
-            "--draft-tokens",
-            "3",
-            "--format",
-            "json",
-        ])
+        .arg(m)
+        .args(["--prompt-len", "8", "--draft-tokens", "3"])
+        .args(args)
+        .args(["--format", "json"])
         .assert()
         .success()
         .get_output()
         .stdout
         .clone();
-    let v = last_json(&out);
+    last_json(&out)
+}
+
+#[test]
+fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
+    let m = fixture_path("nemotron_h-f32");
+    let v = bench_json(
+        &m,
+        &["--gen", "24", "--repeats", "2", "--draft-acceptance", "0.8"],
+    );
     for key in ["plain_decode_tok_s", "speculative_decode_tok_s", "speedup"] {
         assert!(v[key]["median"].as_f64().unwrap() > 0.0, "{key}: {v}");
     }
@@ -1743,41 +1746,24 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
     assert!(acc > 0.0 && acc < 1.0, "{v}");
     assert!(v["peak_memory_bytes"].as_u64().unwrap() > 0);
     // Forced acceptance 1: every draft kept.
-    let out = mlex()
-        .arg("bench")
-        .arg("--model")
-        .arg(&m)
-        .args(["--prompt-len", "8", "--gen", "24", "--repeats", "1"])
-        .args([
+    let v = bench_json(
+        &m,
+        &[
+            "--gen",
+            "24",
+            "--repeats",
+            "1",
             "--draft-acceptance",
             "1",
             "--force-acceptance",
-            "--draft-tokens",
-            "3",
-        ])
-        .args(["--format", "json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let v = last_json(&out);
+        ],
+    );
     assert_eq!(v["forced_acceptance"], true, "{v}");
     assert_eq!(v["speculative"]["acceptance"].as_f64(), Some(1.0), "{v}");
     let s = &v["speculative"];
     assert!(s["rounds"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(s["accepted"], s["proposed"], "{v}");
-    let out = mlex()
-        .arg("bench")
-        .arg("--model")
-        .arg(&m)
-        .args(["--prompt-len", "8", "--verify-cost", "--format", "json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let v = last_json(&out);
+    let v = bench_json(&m, &["--verify-cost"]);
     let rows = v["verify"].as_array().unwrap();
     assert_eq!(rows.len(), 8, "{v}");
     assert!(rows

@@ -137,9 +137,10 @@ enum StateFlow<'a> {
 impl StateFlow<'_> {
     fn read(&self, cache: &ModelCache, i: usize) -> Vec<Array> {
         match self {
-            StateFlow::Positions(s) if s[i].is_some() => s[i].clone().expect("checked"),
-            _ => gather_state(&cache.layers[i]),
+            StateFlow::Positions(s) => s[i].clone(),
+            StateFlow::Cache => None,
         }
+        .unwrap_or_else(|| gather_state(&cache.layers[i]))
     }
 
     fn write(&mut self, cache: &mut ModelCache, i: usize, state: Vec<Array>) -> Result<()> {

@@ -58,6 +58,7 @@ from typing import Callable, Optional
 import gguf
 import gguf_hybrid
 import mix_ref
+import tool_fixture
 import jinja2
 import mlx.core as mx
 import mlx.nn as nn
@@ -1915,7 +1916,7 @@ class Fixture:
     requires: list[str] = field(default_factory=list)
 
 
-def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
+def all_fixtures(smollm2_gguf: Optional[Path], qwen3_tokenizer: Optional[Path] = None) -> list[Fixture]:
     fixtures = [Fixture(s.name, lambda out, s=s: [make_mlx_fixture(out, s)]) for s in mlx_specs()]
     fixtures += [Fixture(s.name, lambda out, s=s: [make_hf_fixture(out, s)], [s.twin]) for s in HF_SPECS]
     fixtures += [Fixture(f"gguf-{k}", lambda out, k=k: [make_gguf_fixture(out, k)]) for k in GGUF_TYPES]
@@ -1943,6 +1944,15 @@ def all_fixtures(smollm2_gguf: Optional[Path]) -> list[Fixture]:
     if smollm2_gguf is not None:
         fixtures.append(Fixture("smollm2-export", lambda out: make_smollm2_fixtures(out, smollm2_gguf)))
         fixtures.append(Fixture("qwen3-chat", lambda out: make_chat_fixture(out, smollm2_gguf)))
+    if qwen3_tokenizer is not None:
+        fixtures.append(
+            Fixture(
+                tool_fixture.NAME,
+                lambda out: tool_fixture.make_tools_fixture(
+                    out, qwen3_tokenizer, qwen3_config, random_model, seed_for, save_model, save_config, reset_dir
+                ),
+            )
+        )
     return fixtures
 
 
@@ -1993,6 +2003,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="output folder")
     parser.add_argument("--smollm2-gguf", type=Path, help="SmolLM2-135M-Instruct Q4_1 .gguf")
+    parser.add_argument("--qwen3-tokenizer", type=Path, help="folder with Qwen3's tokenizer.json and tokenizer_config.json")
     parser.add_argument("--only", help="comma-separated fixture names (plus what they derive from)")
     args = parser.parse_args()
 
@@ -2000,7 +2011,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     entries = []
-    for fixture in select(all_fixtures(args.smollm2_gguf), args.only):
+    for fixture in select(all_fixtures(args.smollm2_gguf, args.qwen3_tokenizer), args.only):
         entries += fixture.make(args.out)
     write_manifest(args.out, entries, merge=bool(args.only))
     print(f"{len(entries)} fixtures in {args.out} ({time.perf_counter() - start:.0f} s)")

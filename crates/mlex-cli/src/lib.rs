@@ -56,12 +56,14 @@ pub fn main() -> ExitCode {
 /// The libraries name what was wrong in their own terms
 /// (`SamplerConfig.top_p`, `model`); on the command line that is an option.
 pub(crate) fn for_the_command_line(e: &mlex_core::error::Error) -> String {
-    const OPTIONS: [(&str, &str); 9] = [
+    const OPTIONS: [(&str, &str); 11] = [
         ("SamplerConfig.temp", "--temp"),
         ("SamplerConfig.top_p", "--top-p"),
         ("SamplerConfig.top_k", "--top-k"),
         ("SamplerConfig.min_p", "--min-p"),
         ("SamplerConfig.repetition_penalty", "--repetition-penalty"),
+        ("SamplerConfig.presence_penalty", "--presence-penalty"),
+        ("SamplerConfig.frequency_penalty", "--frequency-penalty"),
         ("SamplerConfig.logit_bias", "--logit-bias"),
         ("model", "--model"),
         ("quantization", "--quantize"),

@@ -183,6 +183,8 @@ pub fn generate_options(
         top_k: s.top_k,
         min_p: s.min_p,
         repetition_penalty: s.repetition_penalty,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
         repetition_context: s.repetition_context,
         logit_bias: parse_bias(&s.logit_bias)?,
         seed: s.seed,
@@ -201,6 +203,7 @@ pub fn generate_options(
         sampler,
         stop_ids,
         use_prompt_cache: true,
+        ..Default::default()
     })
 }
 

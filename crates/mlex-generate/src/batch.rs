@@ -31,8 +31,9 @@
 //! architecture has code of its own here; a cache kind that cannot batch
 //! (the sliding-window KV) is refused with an error naming it.
 
+use crate::constraint::Constraint;
 use crate::generate::{Finish, Flow, GenerateOptions, Generator, CONTEXT_HINT};
-use crate::sampler::Sampler;
+use crate::sampler::{LogprobArrays, Sampler};
 use mlex_cache::BatchKvCache;
 use mlex_core::error::{Error, Result};
 use mlex_core::model::ModelCache;
@@ -44,6 +45,27 @@ use std::time::{Duration, Instant};
 
 /// Identifies one request of a [`BatchGenerator`].
 pub type SeqId = u64;
+
+/// A token handed to [`BatchGenerator::step`]'s callback.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Emitted {
+    /// The token id.
+    pub id: u32,
+    /// Its log-probability and the most likely alternatives, when the
+    /// request's options ask for them ([`GenerateOptions::logprobs`]).
+    pub logprob: Option<TokenLogprob>,
+}
+
+/// The log-probability of one generated token (after the logit bias and
+/// penalties, before temperature: what mlx-lm reports).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's.
+    pub logprob: f32,
+    /// The most likely tokens at that position with theirs, most likely
+    /// first.
+    pub top: Vec<(u32, f32)>,
+}
 
 /// One finished request.
 #[derive(Clone, Debug)]
@@ -94,8 +116,18 @@ struct Active {
     max_tokens: usize,
     stop_ids: BTreeSet<u32>,
     sampler: Sampler,
-    /// Recent ids `[1, n]` for the repetition penalty, when it is on.
+    /// Recent ids `[1, n]` for the penalties, when one is on.
     history: Option<Array>,
+    /// The grammar the output must match, if any.
+    constraint: Option<Constraint>,
+    /// Report log-probabilities with this many alternatives.
+    logprobs: Option<usize>,
+    /// The log-probabilities of the token in `next` for this row.
+    next_lp: Option<LogprobArrays>,
+    /// Those of the token fed this step.
+    fed_lp: Option<LogprobArrays>,
+    /// A grammar failure: the row ends with it at the next emit.
+    failed: Option<Error>,
     context: usize,
     out: Vec<u32>,
     /// Prompt tokens still to feed after the one in `next` (a prompt tail
@@ -119,8 +151,29 @@ pub const FEED_MAX: usize = 4;
 impl Active {
     /// True when this row can use the batch-wide argmax.
     fn plain_greedy(&self) -> bool {
-        let c = self.sampler.config();
-        c.is_greedy() && c.logit_bias.is_empty() && c.repetition_penalty == 1.0
+        self.sampler.config().is_plain_greedy()
+            && self.constraint.is_none()
+            && self.logprobs.is_none()
+    }
+
+    /// Samples this row's next token from its logits `[1, V]`, under its
+    /// grammar's mask.
+    fn sample_row(&mut self, logits: &Array) -> Result<Array> {
+        let mask = match self.constraint.as_mut().map(Constraint::mask).transpose() {
+            Ok(m) => m,
+            Err(e) => {
+                self.failed = Some(e);
+                return Ok(ops::zeros_dtype(&[1], Dtype::Uint32)?);
+            }
+        };
+        let (ids, lp) = self.sampler.sample_with(
+            logits,
+            self.history.as_ref(),
+            mask.as_ref(),
+            self.logprobs,
+        )?;
+        self.next_lp = lp;
+        Ok(ids)
     }
 }
 
@@ -215,7 +268,7 @@ impl<'g> BatchGenerator<'g> {
     /// (and may stop its sequence). Returns the outputs by request id.
     pub fn run(
         &mut self,
-        on_token: &mut dyn FnMut(SeqId, u32) -> Result<Flow>,
+        on_token: &mut dyn FnMut(SeqId, &Emitted) -> Result<Flow>,
     ) -> Result<Vec<(SeqId, Result<BatchOutput>)>> {
         let mut all = Vec::new();
         while !self.is_idle() {
@@ -229,7 +282,7 @@ impl<'g> BatchGenerator<'g> {
     /// requests that finished (or failed) in it.
     pub fn step(
         &mut self,
-        on_token: &mut dyn FnMut(SeqId, u32) -> Result<Flow>,
+        on_token: &mut dyn FnMut(SeqId, &Emitted) -> Result<Flow>,
     ) -> Result<Vec<(SeqId, Result<BatchOutput>)>> {
         self.drop_cancelled_waiting();
         self.admit()?;
@@ -243,6 +296,10 @@ impl<'g> BatchGenerator<'g> {
         let cache = self.cache.as_mut().expect("a used batch has caches");
         let inp = ops::reshape(&feed, &[rows, 1])?;
         let logits = self.gen.step(&inp, cache)?;
+        for a in self.slots.iter_mut().flatten() {
+            a.fed_lp = a.next_lp.take();
+        }
+        self.advance_grammars(&logits, &feed)?;
         // The repetition penalty looks back over what was fed, this step's
         // token included: appended on the device, before sampling (the host
         // learns the token's value only in `emit`). A prompt token fed as a
@@ -279,13 +336,44 @@ impl<'g> BatchGenerator<'g> {
                 None => false,
             };
         }
-        async_eval([&sampled])?;
+        let mut pending = vec![&sampled];
+        for a in self.slots.iter().flatten() {
+            pending.extend(a.next_lp.iter().flat_map(LogprobArrays::arrays));
+        }
+        async_eval(pending)?;
         self.stats.steps += 1;
         self.emit(&feed, &fed_prompt, on_token)?;
         self.next = Some(sampled);
         self.compact()?;
         self.stats.decode_time += started.elapsed();
         Ok(std::mem::take(&mut self.finished))
+    }
+
+    /// Tells each constrained row's grammar the token fed this step (its
+    /// mask for the next one depends on it): waits for that token, after
+    /// handing this step's forward to the device so the wait overlaps it.
+    fn advance_grammars(&mut self, logits: &Array, feed: &Array) -> Result<()> {
+        let constrained = |a: &Active| a.constraint.is_some() && a.prompt_rest.is_empty();
+        if !self.slots.iter().flatten().any(constrained) {
+            return Ok(());
+        }
+        async_eval([logits])?;
+        let waited = Instant::now();
+        feed.eval()?;
+        self.stats.wait_time += waited.elapsed();
+        let ids = feed.as_slice::<u32>();
+        for (r, slot) in self.slots.iter_mut().enumerate() {
+            let Some(a) = slot else { continue };
+            if a.next_is_prompt || a.failed.is_some() {
+                continue;
+            }
+            if let Some(c) = a.constraint.as_mut() {
+                if let Err(e) = c.consume(ids[r]) {
+                    a.failed = Some(e);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn drop_cancelled_waiting(&mut self) {
@@ -390,7 +478,7 @@ impl<'g> BatchGenerator<'g> {
         self.ensure_rows(self.active() + group.len())?;
         let limit = self.gen.model.max_context.unwrap_or(usize::MAX);
         let mut firsts = Vec::with_capacity(group.len());
-        for ((id, prompt, opts, mut sampler), (single, logits, reused)) in
+        for ((id, prompt, opts, sampler), (single, logits, reused)) in
             group.into_iter().zip(prefilled)
         {
             let row = self
@@ -404,7 +492,7 @@ impl<'g> BatchGenerator<'g> {
                     b.write_row(row, s.as_ref())?;
                 }
             }
-            let penalty = opts.sampler.repetition_penalty != 1.0;
+            let penalty = opts.sampler.uses_history();
             let history = penalty.then(|| {
                 let ctx = opts.sampler.repetition_context.max(1);
                 let tail: Vec<i32> = prompt[prompt.len().saturating_sub(ctx)..]
@@ -416,11 +504,35 @@ impl<'g> BatchGenerator<'g> {
             // With logits, the first output; without, the first prompt
             // token the cache does not cover.
             let mut prompt_rest: VecDeque<u32> = prompt[reused..].iter().copied().collect();
+            let mut active = Active {
+                id,
+                prompt_len: prompt.len(),
+                reused,
+                max_tokens: opts.max_tokens,
+                stop_ids: opts.stop_ids.clone(),
+                sampler,
+                history,
+                constraint: opts.constraint,
+                logprobs: opts.logprobs,
+                next_lp: None,
+                fed_lp: None,
+                failed: None,
+                context: limit,
+                out: Vec::new(),
+                prompt_rest: VecDeque::new(),
+                next_is_prompt: false,
+            };
             let first = match &logits {
                 Some(l) => {
                     prompt_rest.clear();
-                    let first = sampler.sample(l, history.as_ref())?;
+                    let first = active.sample_row(l)?;
                     firsts.push(first.clone());
+                    firsts.extend(
+                        active
+                            .next_lp
+                            .iter()
+                            .flat_map(|lp| lp.arrays().map(Array::clone)),
+                    );
                     first
                 }
                 None => {
@@ -437,19 +549,9 @@ impl<'g> BatchGenerator<'g> {
             next.try_index_mut(r..r + 1, &first)?;
             self.stats.prefill_tokens += prompt.len() - reused;
             self.stats.reused_tokens += reused;
-            self.slots[row] = Some(Active {
-                id,
-                prompt_len: prompt.len(),
-                reused,
-                max_tokens: opts.max_tokens,
-                stop_ids: opts.stop_ids.clone(),
-                sampler,
-                history,
-                context: limit,
-                out: Vec::new(),
-                prompt_rest,
-                next_is_prompt,
-            });
+            active.prompt_rest = prompt_rest;
+            active.next_is_prompt = next_is_prompt;
+            self.slots[row] = Some(active);
         }
         eval(firsts.iter())?;
         self.stats.prefill_time += started.elapsed();
@@ -587,7 +689,7 @@ impl<'g> BatchGenerator<'g> {
                 // logits; its sampler (and its random stream) is not used.
                 Some(a) if a.prompt_rest.is_empty() => {
                     let row = logits.try_index(r..r + 1)?;
-                    parts.push(a.sampler.sample(&row, a.history.as_ref())?);
+                    parts.push(a.sample_row(&row)?);
                 }
                 Some(_) => parts.push(ops::zeros_dtype(&[1], Dtype::Uint32)?),
                 None => parts.push(ops::zeros_dtype(&[1], Dtype::Uint32)?),
@@ -602,7 +704,7 @@ impl<'g> BatchGenerator<'g> {
         &mut self,
         fed: &Array,
         fed_prompt: &[bool],
-        on_token: &mut dyn FnMut(SeqId, u32) -> Result<Flow>,
+        on_token: &mut dyn FnMut(SeqId, &Emitted) -> Result<Flow>,
     ) -> Result<()> {
         let waited = Instant::now();
         fed.eval()?;
@@ -614,12 +716,29 @@ impl<'g> BatchGenerator<'g> {
                 Some(Finish::Cancelled)
             } else if fed_prompt[r] {
                 None
+            } else if a.failed.is_some() {
+                let a = slot.take().expect("matched above");
+                if let Some(cache) = self.cache.as_mut() {
+                    for c in cache.layers.iter_mut().flatten() {
+                        c.free_row(r);
+                    }
+                }
+                let e = a.failed.expect("checked above");
+                self.finished.push((a.id, Err(e)));
+                continue;
             } else {
                 let tok = ids[r];
                 a.out.push(tok);
                 self.stats.generated_tokens += 1;
+                let logprob = match a.fed_lp.take() {
+                    Some(lp) => {
+                        let (logprob, top) = lp.row(0)?;
+                        Some(TokenLogprob { logprob, top })
+                    }
+                    None => None,
+                };
                 let called = Instant::now();
-                let flow = on_token(a.id, tok)?;
+                let flow = on_token(a.id, &Emitted { id: tok, logprob })?;
                 self.stats.callback_time += called.elapsed();
                 let n = a.out.len();
                 let room = a.prompt_len + n < a.context;

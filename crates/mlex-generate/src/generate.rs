@@ -69,7 +69,7 @@ impl Finish {
 }
 
 /// Settings of one generation.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct GenerateOptions {
     /// Most tokens to generate.
     pub max_tokens: usize,
@@ -79,6 +79,11 @@ pub struct GenerateOptions {
     pub stop_ids: BTreeSet<u32>,
     /// Look up and record prefixes in the prompt cache.
     pub use_prompt_cache: bool,
+    /// A grammar the output must match (batched generation only).
+    pub constraint: Option<crate::constraint::Constraint>,
+    /// Report each token's log-probability and this many of the most
+    /// likely alternatives (batched generation only).
+    pub logprobs: Option<usize>,
 }
 
 /// The outcome of one generation.
@@ -352,7 +357,7 @@ impl Generator {
 
         let ctx = opts.sampler.repetition_context.max(1);
         let history = history_of(prompt, ctx);
-        let use_history = opts.sampler.repetition_penalty != 1.0;
+        let use_history = opts.sampler.uses_history();
 
         let y = sampler.sample(&logits, use_history.then_some(&history))?;
         let decoded = match self.speculative.take() {
@@ -407,7 +412,7 @@ impl Generator {
     ) -> Result<Decoded> {
         let limit = self.model.max_context.unwrap_or(usize::MAX);
         let ctx = opts.sampler.repetition_context.max(1);
-        let use_history = opts.sampler.repetition_penalty != 1.0;
+        let use_history = opts.sampler.uses_history();
         async_eval([&y])?;
         let mut fed: Vec<u32> = prompt.to_vec();
         let mut out = Vec::new();

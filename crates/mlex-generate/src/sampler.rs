@@ -1,6 +1,8 @@
-//! Token sampling on the device: logit bias, repetition penalty, then
-//! greedy (`temp == 0`) or temperature sampling with top-k, top-p and
-//! min-p filtering. Everything stays an MLX array (no host sync), so the
+//! Token sampling on the device: logit bias, repetition, presence and
+//! frequency penalties (mlx-lm's order and arithmetic,
+//! `mlx_lm/sample_utils.py`), a grammar's token mask, then greedy
+//! (`temp == 0`) or temperature sampling with top-k, top-p and min-p
+//! filtering; and the log-probabilities of what was drawn. Everything stays an MLX array (no host sync), so the
 //! decode loop can build step t+1 while step t evaluates. A seed makes
 //! sampling reproducible: the same seed gives the same tokens.
 
@@ -22,7 +24,13 @@ pub struct SamplerConfig {
     pub min_p: f32,
     /// Penalty > 0 on tokens of the recent context; 1 disables.
     pub repetition_penalty: f32,
-    /// How many recent tokens the penalty looks at.
+    /// Subtracted once from the logit of every token of the recent
+    /// context (OpenAI's `presence_penalty`); 0 disables.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it occurs in the
+    /// recent context (OpenAI's `frequency_penalty`); 0 disables.
+    pub frequency_penalty: f32,
+    /// How many recent tokens (prompt and output) the penalties look at.
     pub repetition_context: usize,
     /// Additive biases by token id.
     pub logit_bias: Vec<(u32, f32)>,
@@ -38,6 +46,8 @@ impl Default for SamplerConfig {
             top_k: 0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             repetition_context: 20,
             logit_bias: Vec::new(),
             seed: None,
@@ -79,6 +89,14 @@ impl SamplerConfig {
                 format!("{} (must be > 0)", self.repetition_penalty),
             ));
         }
+        for (name, v) in [
+            ("SamplerConfig.presence_penalty", self.presence_penalty),
+            ("SamplerConfig.frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() {
+                return Err(Error::invalid(name, format!("{v} (must be a number)")));
+            }
+        }
         for (id, b) in &self.logit_bias {
             if *id as usize >= vocab {
                 return Err(Error::invalid(
@@ -99,6 +117,18 @@ impl SamplerConfig {
     /// True for plain argmax.
     pub fn is_greedy(&self) -> bool {
         self.temp == 0.0
+    }
+
+    /// True when a penalty looks at the recent tokens.
+    pub fn uses_history(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+    }
+
+    /// True when sampling is the argmax of the model's logits as they are.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.is_greedy() && self.logit_bias.is_empty() && !self.uses_history()
     }
 }
 
@@ -138,27 +168,72 @@ impl Sampler {
         &self.cfg
     }
 
-    /// The logits sampling draws from (f32, `[B, V]`): after the logit
-    /// bias and the repetition penalty over `history` (`[B, n]` int32, may
-    /// be empty), and unless greedy, scaled by the temperature with the
-    /// tokens top-k, top-p and min-p drop set to -inf.
-    pub fn filtered(&self, logits: &Array, history: Option<&Array>) -> Result<Array> {
+    /// The model's logits after the logit bias and the penalties over
+    /// `history` (`[B, n]` int32, may be empty), f32 `[B, V]`: what
+    /// log-probabilities are reported from (mlx-lm's `logprobs`: after its
+    /// logits processors, before temperature and filtering).
+    pub fn processed(&self, logits: &Array, history: Option<&Array>) -> Result<Array> {
         let mut l = logits.as_dtype(Dtype::Float32)?;
         if let Some(b) = &self.bias {
             l = ops::add(&l, b)?;
         }
+        let Some(h) = history.filter(|h| h.size() > 0) else {
+            return Ok(l);
+        };
         if self.cfg.repetition_penalty != 1.0 {
-            if let Some(h) = history.filter(|h| h.size() > 0) {
-                let picked = indexing::take_along_axis(&l, h, -1)?;
-                let p = Array::from_f32(self.cfg.repetition_penalty);
-                let zero = Array::from_f32(0.0);
-                let penalised = ops::select(
-                    ops::lt(&picked, &zero)?,
-                    ops::multiply(&picked, &p)?,
-                    ops::divide(&picked, &p)?,
-                )?;
-                l = indexing::put_along_axis(&l, h, &penalised, -1)?;
-            }
+            let picked = indexing::take_along_axis(&l, h, -1)?;
+            let p = Array::from_f32(self.cfg.repetition_penalty);
+            let zero = Array::from_f32(0.0);
+            let penalised = ops::select(
+                ops::lt(&picked, &zero)?,
+                ops::multiply(&picked, &p)?,
+                ops::divide(&picked, &p)?,
+            )?;
+            l = indexing::put_along_axis(&l, h, &penalised, -1)?;
+        }
+        if self.cfg.presence_penalty != 0.0 {
+            // A token seen twice is written twice with the same value:
+            // penalised once.
+            let picked = indexing::take_along_axis(&l, h, -1)?;
+            let less = ops::subtract(&picked, Array::from_f32(self.cfg.presence_penalty))?;
+            l = indexing::put_along_axis(&l, h, &less, -1)?;
+        }
+        if self.cfg.frequency_penalty != 0.0 {
+            // Counts of each id in the window: [B, n, 1] == [V] summed over n.
+            let vocab = l.shape()[l.ndim() - 1];
+            let ids = ops::arange::<_, i32>(0, vocab, None)?;
+            let hits = ops::eq(&ops::expand_dims(h, -1)?, &ids)?;
+            let counts = hits.as_dtype(Dtype::Float32)?.sum_axis(-2, false)?;
+            l = ops::subtract(
+                &l,
+                ops::multiply(&counts, Array::from_f32(self.cfg.frequency_penalty))?,
+            )?;
+        }
+        Ok(l)
+    }
+
+    /// The logits sampling draws from (f32, `[B, V]`): [`Sampler::processed`],
+    /// then the tokens `mask` forbids (`[B, V]` bool, true = allowed) set to
+    /// -inf, and unless greedy, scaled by the temperature with the tokens
+    /// top-k, top-p and min-p drop set to -inf.
+    pub fn filtered(&self, logits: &Array, history: Option<&Array>) -> Result<Array> {
+        self.filtered_masked(logits, history, None)
+    }
+
+    /// [`Sampler::filtered`] under a grammar's token mask.
+    pub fn filtered_masked(
+        &self,
+        logits: &Array,
+        history: Option<&Array>,
+        mask: Option<&Array>,
+    ) -> Result<Array> {
+        let l = self.processed(logits, history)?;
+        self.finish_filter(l, mask)
+    }
+
+    fn finish_filter(&self, mut l: Array, mask: Option<&Array>) -> Result<Array> {
+        if let Some(m) = mask {
+            l = ops::select(m, &l, Array::from_f32(f32::NEG_INFINITY))?;
         }
         if self.cfg.is_greedy() {
             return Ok(l);
@@ -212,7 +287,30 @@ impl Sampler {
     /// Samples from `logits` `[B, V]` given the recent tokens `history`
     /// (`[B, n]` int32, may be empty); returns `[B]` uint32 ids.
     pub fn sample(&mut self, logits: &Array, history: Option<&Array>) -> Result<Array> {
-        let l = self.filtered(logits, history)?;
+        self.sample_with(logits, history, None, None)
+            .map(|(t, _)| t)
+    }
+
+    /// [`Sampler::sample`] under a grammar's token `mask` (`[B, V]` bool),
+    /// with the log-probabilities of the drawn tokens and of the `top` most
+    /// likely ones when `top` is given (from [`Sampler::processed`]).
+    pub fn sample_with(
+        &mut self,
+        logits: &Array,
+        history: Option<&Array>,
+        mask: Option<&Array>,
+        top: Option<usize>,
+    ) -> Result<(Array, Option<LogprobArrays>)> {
+        let processed = self.processed(logits, history)?;
+        let ids = self.draw(self.finish_filter(processed.clone(), mask)?)?;
+        let lp = match top {
+            None => None,
+            Some(n) => Some(LogprobArrays::of(&processed, &ids, n)?),
+        };
+        Ok((ids, lp))
+    }
+
+    fn draw(&mut self, l: Array) -> Result<Array> {
         if self.cfg.is_greedy() {
             return Ok(ops::indexing::argmax_axis(&l, -1, None)?.as_dtype(Dtype::Uint32)?);
         }
@@ -225,8 +323,53 @@ impl Sampler {
     }
 }
 
+/// The log-probabilities of drawn tokens, still on the device.
+#[derive(Clone)]
+pub struct LogprobArrays {
+    /// `[B]` f32: each drawn token's.
+    pub chosen: Array,
+    /// `[B, n]` uint32: the `n` most likely ids, most likely first.
+    pub top_ids: Array,
+    /// `[B, n]` f32: their log-probabilities.
+    pub top_logprobs: Array,
+}
+
+impl LogprobArrays {
+    fn of(processed: &Array, ids: &Array, n: usize) -> Result<Self> {
+        let lse = processed.logsumexp_axis(-1, true)?;
+        let lp = ops::subtract(processed, &lse)?;
+        let idx = ops::expand_dims(&ids.as_dtype(Dtype::Int32)?, -1)?;
+        let chosen = indexing::take_along_axis(&lp, &idx, -1)?.squeeze_axes(&[-1])?;
+        let vocab = lp.shape()[lp.ndim() - 1];
+        let n = (n as i32).clamp(0, vocab);
+        let order = ops::argsort_axis(ops::negative(&lp)?, -1)?.try_index((.., ..n))?;
+        let top_logprobs = indexing::take_along_axis(&lp, &order, -1)?;
+        Ok(Self {
+            chosen,
+            top_ids: order.as_dtype(Dtype::Uint32)?,
+            top_logprobs,
+        })
+    }
+
+    /// Row `r` on the host: (the drawn token's log-probability, the top
+    /// ids with theirs). Waits for the arrays.
+    pub fn row(&self, r: usize) -> Result<(f32, Vec<(u32, f32)>)> {
+        let chosen = self.chosen.as_slice::<f32>();
+        let n = self.top_ids.shape()[1] as usize;
+        let ids = self.top_ids.as_slice::<u32>();
+        let lps = self.top_logprobs.as_slice::<f32>();
+        let top = (0..n).map(|j| (ids[r * n + j], lps[r * n + j])).collect();
+        Ok((chosen[r], top))
+    }
+
+    /// The arrays, to hand to `eval`.
+    pub fn arrays(&self) -> [&Array; 3] {
+        [&self.chosen, &self.top_ids, &self.top_logprobs]
+    }
+}
+
 /// Token ids `[1, n]` int32 of the last `ctx` of `tokens` (the
-/// repetition penalty's history).
+/// penalties' history).
 pub(crate) fn history_of(tokens: &[u32], ctx: usize) -> Array {
     let tail: Vec<i32> = tokens[tokens.len().saturating_sub(ctx)..]
         .iter()

@@ -31,6 +31,20 @@ pub fn shown_len(text: &str, stops: &[String]) -> usize {
     safe
 }
 
+/// Bytes at the end of `text` that begin one of `markers` without being
+/// all of it: they must wait for more text before they can be shown.
+pub(crate) fn held_back(text: &str, markers: &[String]) -> usize {
+    let mut keep = 0;
+    for m in markers {
+        for (i, _) in m.char_indices().skip(1) {
+            if i > keep && text.ends_with(&m[..i]) {
+                keep = i;
+            }
+        }
+    }
+    keep
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -43,5 +57,15 @@ mod tests {
         // The last two characters could begin "END"; "aé" is three bytes.
         assert_eq!(shown_len("aéEN", &stops), 3);
         assert_eq!(shown_len("abc", &[]), 3);
+    }
+
+    #[test]
+    fn only_a_real_start_of_a_marker_is_held_back() {
+        let m = vec!["<tool_call>".to_owned(), "</think>".to_owned()];
+        assert_eq!(held_back("a < b", &m), 0);
+        assert_eq!(held_back("text <tool", &m), 5);
+        assert_eq!(held_back("x </", &m), 2);
+        assert_eq!(held_back("x <", &m), 1);
+        assert_eq!(held_back("<tool_call>", &m), 0);
     }
 }

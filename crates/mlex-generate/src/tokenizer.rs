@@ -88,6 +88,11 @@ pub struct Tokenizer {
     pub add_bos: bool,
     /// The chat template, if the model has one.
     pub chat_template: Option<ChatTemplate>,
+    /// `tool_parser_type` of `tokenizer_config.json`: which tool-call
+    /// format to read (else the template decides).
+    pub tool_parser_type: Option<String>,
+    /// Each token's bytes (made on first use).
+    token_bytes: std::sync::OnceLock<Vec<Vec<u8>>>,
 }
 
 fn tok_err(what: &str, e: impl std::fmt::Display) -> Error {
@@ -202,12 +207,18 @@ impl Tokenizer {
         let chat_template = template_src
             .map(|(origin, s)| ChatTemplate::from_origin(&origin, &s, bos.clone(), eos.clone()))
             .transpose()?;
+        let tool_parser_type = cfg
+            .get("tool_parser_type")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
         let mut t = Self {
             inner,
             eos_ids,
             bos_id,
             add_bos,
             chat_template,
+            tool_parser_type,
+            token_bytes: Default::default(),
         };
         t.add_template_stop_tokens();
         Ok(t)
@@ -303,6 +314,8 @@ impl Tokenizer {
             // say otherwise.
             add_bos: g.add_bos.unwrap_or(sentencepiece),
             chat_template,
+            tool_parser_type: None,
+            token_bytes: Default::default(),
         };
         t.add_template_stop_tokens();
         Ok(t)
@@ -339,6 +352,55 @@ impl Tokenizer {
                 self.encode(&text.join("\n"), self.add_bos)
             }
         }
+    }
+
+    /// The ids of a chat rendered with tools and template arguments
+    /// (`RenderOptions::add_generation_prompt` is set); without a template,
+    /// as [`Tokenizer::chat_ids`] does.
+    pub fn chat_ids_with(
+        &self,
+        messages: &[crate::chat::Message],
+        opts: &crate::chat::RenderOptions,
+    ) -> Result<Vec<u32>> {
+        match &self.chat_template {
+            Some(t) => {
+                let opts = crate::chat::RenderOptions {
+                    add_generation_prompt: true,
+                    ..opts.clone()
+                };
+                self.encode(&t.render_with(messages, &opts)?, false)
+            }
+            None => self.chat_ids(messages, false),
+        }
+    }
+
+    /// The bytes of every token (a special token's text), as llguidance
+    /// reads them from the tokenizer's JSON; made on first use.
+    pub fn token_bytes(&self) -> Result<&[Vec<u8>]> {
+        if let Some(b) = self.token_bytes.get() {
+            return Ok(b);
+        }
+        let json: Value = serde_json::from_str(
+            &self
+                .inner
+                .to_string(false)
+                .map_err(|e| tok_err("as JSON", e))?,
+        )
+        .map_err(|e| tok_err("as JSON", e))?;
+        let mut words = llguidance::token_bytes_from_tokenizer_json(&json)
+            .map_err(|e| tok_err("token bytes", e))?;
+        for w in words.iter_mut() {
+            // llguidance marks special tokens with a leading 0xff.
+            if w.first() == Some(&0xff) {
+                w.remove(0);
+            }
+        }
+        Ok(self.token_bytes.get_or_init(|| words))
+    }
+
+    /// The Hugging Face tokenizer inside.
+    pub(crate) fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
     }
 
     /// Token ids of `text`; special-token text is matched as such.

@@ -15,6 +15,7 @@ fn opts(max_tokens: usize, use_prompt_cache: bool) -> GenerateOptions {
         sampler: SamplerConfig::default(),
         stop_ids: Default::default(),
         use_prompt_cache,
+        ..Default::default()
     }
 }
 

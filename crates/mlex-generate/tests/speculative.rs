@@ -19,6 +19,7 @@ fn opts(max_tokens: usize) -> GenerateOptions {
         sampler: SamplerConfig::default(),
         stop_ids: Default::default(),
         use_prompt_cache: false,
+        ..Default::default()
     }
 }
 

@@ -6,7 +6,8 @@
 
 use crate::metrics::Metrics;
 use mlex_generate::{
-    BatchGenerator, Finish, Flow, GenerateOptions, Generator, Message, SeqId, TextStream, Tokenizer,
+    starts_in_reasoning, BatchGenerator, Emitted, Finish, Flow, GenerateOptions, Generator,
+    Grammar, Grammars, Message, RenderOptions, SeqId, TextStream, Tokenizer,
 };
 use std::collections::BTreeMap;
 use std::sync::mpsc;
@@ -15,8 +16,9 @@ use tokio::sync::mpsc::UnboundedSender;
 
 /// What to feed the model.
 pub enum Prompt {
-    /// Chat messages, rendered with the model's template.
-    Chat(Vec<Message>),
+    /// Chat messages, rendered with the model's template, the tools and
+    /// template arguments.
+    Chat(Vec<Message>, RenderOptions),
     /// Raw text, encoded as is.
     Text(String),
 }
@@ -29,15 +31,50 @@ pub struct Job {
     pub opts: GenerateOptions,
     /// Stop strings.
     pub stops: Vec<String>,
+    /// A grammar the output must match.
+    pub grammar: Option<Grammar>,
     /// Where the events go.
     pub events: UnboundedSender<Event>,
+}
+
+/// A token's text for a client: as a string (lossy where the token is
+/// part of a character) and as bytes.
+#[derive(Clone, Debug)]
+pub struct TokenText {
+    /// The token's text.
+    pub text: String,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// A generated token's log-probability, with its alternatives.
+#[derive(Clone, Debug)]
+pub struct LogprobOut {
+    /// The token.
+    pub token: TokenText,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens there, most likely first.
+    pub top: Vec<(TokenText, f32)>,
 }
 
 /// What the engine says about one job.
 #[derive(Debug)]
 pub enum Event {
-    /// New text (may be empty while a multi-byte character is incomplete).
-    Text(String),
+    /// The job is admitted: its prompt encoded, its grammar compiled.
+    Accepted {
+        /// The prompt leaves the model inside a think block.
+        in_reasoning: bool,
+    },
+    /// One token: the text it made safe to show (may be empty while a
+    /// multi-byte character is incomplete or a stop string could begin),
+    /// and its log-probability when asked for.
+    Token {
+        /// New text.
+        text: String,
+        /// The token's log-probability.
+        logprob: Option<LogprobOut>,
+    },
     /// The end.
     Done {
         /// Why.
@@ -70,11 +107,61 @@ struct Running<'t> {
     gone: bool,
 }
 
-fn prompt_ids(tok: &Tokenizer, p: &Prompt) -> mlex_core::error::Result<Vec<u32>> {
+/// The prompt's ids, and whether it leaves the model inside a think block.
+fn prompt_ids(tok: &Tokenizer, p: &Prompt) -> mlex_core::error::Result<(Vec<u32>, bool)> {
     match p {
-        Prompt::Chat(messages) => tok.chat_ids(messages, true),
-        Prompt::Text(t) => tok.encode(t, tok.add_bos),
+        Prompt::Chat(messages, opts) => match &tok.chat_template {
+            Some(t) => {
+                let opts = RenderOptions {
+                    add_generation_prompt: true,
+                    ..opts.clone()
+                };
+                let text = t.render_with(messages, &opts)?;
+                Ok((tok.encode(&text, false)?, starts_in_reasoning(&text)))
+            }
+            None => Ok((tok.chat_ids(messages, false)?, false)),
+        },
+        Prompt::Text(t) => Ok((tok.encode(t, tok.add_bos)?, false)),
     }
+}
+
+/// A token's text and bytes.
+fn token_text(tok: &Tokenizer, bytes: &[Vec<u8>], id: u32) -> TokenText {
+    let b = bytes.get(id as usize).cloned().unwrap_or_default();
+    TokenText {
+        text: String::from_utf8_lossy(&b).into_owned(),
+        bytes: b,
+    }
+    .or_decoded(tok, id)
+}
+
+impl TokenText {
+    /// Falls back to the decoder for an id the byte table lacks (a padded
+    /// vocabulary's tail).
+    fn or_decoded(self, tok: &Tokenizer, id: u32) -> TokenText {
+        if !self.bytes.is_empty() {
+            return self;
+        }
+        let text = tok.decode(&[id]).unwrap_or_default();
+        TokenText {
+            bytes: text.as_bytes().to_vec(),
+            text,
+        }
+    }
+}
+
+fn logprob_out(tok: &Tokenizer, e: &Emitted) -> Option<LogprobOut> {
+    let lp = e.logprob.as_ref()?;
+    let bytes = tok.token_bytes().unwrap_or(&[]);
+    Some(LogprobOut {
+        token: token_text(tok, bytes, e.id),
+        logprob: lp.logprob,
+        top: lp
+            .top
+            .iter()
+            .map(|&(t, l)| (token_text(tok, bytes, t), l))
+            .collect(),
+    })
 }
 
 /// The engine's totals over the server's life, where its time went.
@@ -103,6 +190,8 @@ pub fn run(
     metrics: Arc<Metrics>,
 ) -> mlex_core::error::Result<()> {
     let tok = &tokenizer;
+    let vocab = generator.model.vocab_size() as usize;
+    let mut grammars: Option<Grammars> = None;
     let mut engine = BatchGenerator::new(&mut generator, batch)?;
     let mut running: BTreeMap<SeqId, Running> = BTreeMap::new();
     let mut draining = false;
@@ -129,8 +218,8 @@ pub fn run(
         {
             match msg {
                 Msg::Job(job) => {
-                    let ids = match prompt_ids(tok, &job.prompt) {
-                        Ok(ids) if !ids.is_empty() => ids,
+                    let (ids, in_reasoning) = match prompt_ids(tok, &job.prompt) {
+                        Ok((ids, r)) if !ids.is_empty() => (ids, r),
                         Ok(_) => {
                             let _ = job
                                 .events
@@ -143,6 +232,30 @@ pub fn run(
                         }
                     };
                     let mut opts = job.opts;
+                    if let Some(g) = &job.grammar {
+                        if grammars.is_none() {
+                            match Grammars::new(tok, vocab) {
+                                Ok(g) => grammars = Some(g),
+                                Err(e) => {
+                                    let _ = job.events.send(Event::Rejected(e.to_string()));
+                                    continue;
+                                }
+                            }
+                        }
+                        let engine_for = grammars.as_ref().expect("made above");
+                        match engine_for.compile(g) {
+                            Ok(c) => opts.constraint = Some(c),
+                            Err(e) => {
+                                let _ = job.events.send(Event::Rejected(format!(
+                                    "the grammar engine refused the request's format: {e}"
+                                )));
+                                continue;
+                            }
+                        }
+                    }
+                    if job.events.send(Event::Accepted { in_reasoning }).is_err() {
+                        continue;
+                    }
                     opts.stop_ids = tok.eos_ids.clone();
                     // Shared prefixes (system prompts, earlier turns) come
                     // from the prompt cache, hybrids included.
@@ -169,18 +282,23 @@ pub fn run(
         metrics.active.set(engine.active() as i64);
         let before = engine.stats().clone();
         let started = std::time::Instant::now();
-        let mut on_token = |id: SeqId, t: u32| -> mlex_core::error::Result<Flow> {
+        let mut on_token = |id: SeqId, t: &Emitted| -> mlex_core::error::Result<Flow> {
             let Some(r) = running.get_mut(&id) else {
                 return Ok(Flow::Continue);
             };
-            let pushed = r.text.push(t)?;
+            let pushed = r.text.push(t.id)?;
             let flow = if pushed.stop {
                 Flow::Stop
             } else {
                 Flow::Continue
             };
-            if !pushed.text.is_empty() {
-                if r.events.send(Event::Text(pushed.text)).is_err() {
+            let logprob = logprob_out(tok, t);
+            if !pushed.text.is_empty() || logprob.is_some() {
+                let ev = Event::Token {
+                    text: pushed.text,
+                    logprob,
+                };
+                if r.events.send(ev).is_err() {
                     // The client is gone: free its slot.
                     metrics.cancelled.inc();
                     r.gone = true;
@@ -217,7 +335,10 @@ pub fn run(
                     // only, as before.
                     let rest = run.text.finish(out.finish).unwrap_or_default();
                     if !rest.is_empty() {
-                        let _ = run.events.send(Event::Text(rest));
+                        let _ = run.events.send(Event::Token {
+                            text: rest,
+                            logprob: None,
+                        });
                     }
                     eprintln!(
                         "mlex serve: request {id}: {} prompt tokens ({} reused, {} computed), {} generated, {}",

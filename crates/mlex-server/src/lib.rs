@@ -29,26 +29,26 @@
 mod api;
 mod engine;
 mod metrics;
+mod request;
+mod respond;
 
-use api::{ChatRequest, Common, CompletionRequest};
+use api::{ChatRequest, CompletionRequest};
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use engine::{Event, Job, Msg, Prompt};
+use engine::{Event, Job, Msg};
 use metrics::Metrics;
 use mlex_core::error::{Error, Result};
-use mlex_generate::{Finish, GenerateOptions, Generator, Message, SamplerConfig, Tokenizer};
-use serde_json::{json, Value};
-use std::convert::Infallible;
+use mlex_generate::{Finish, Generator, Tokenizer, ToolFormat};
+use request::Refusal;
+use serde_json::json;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc as tmpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
 /// How the server runs.
@@ -84,18 +84,58 @@ pub struct Loaded {
     pub tokenizer: Tokenizer,
 }
 
+/// What the HTTP side knows of the model, read on the engine thread.
+#[derive(Clone, Debug)]
+pub(crate) struct ModelInfo {
+    /// Output width.
+    pub vocab: usize,
+    /// Longest context, if the config says.
+    pub max_context: Option<usize>,
+    /// The chat template renders `tools`.
+    pub supports_tools: bool,
+    /// How its tool calls are written (`tool_parser_type`, else the
+    /// template).
+    pub tool_format: Option<ToolFormat>,
+    /// The vocabulary has `<think>` and `</think>`: answers may reason.
+    pub has_thinking: bool,
+}
+
+impl ModelInfo {
+    fn of(generator: &Generator, tok: &Tokenizer) -> ModelInfo {
+        let m = &generator.model;
+        let template = tok.chat_template.as_ref();
+        let named = tok.tool_parser_type.as_deref().and_then(|n| {
+            let f = ToolFormat::from_name(n);
+            if f.is_none() {
+                eprintln!(
+                    "mlex serve: tokenizer_config.json: tool_parser_type `{n}` is not one of {}; reading the chat template instead",
+                    ToolFormat::ALL.map(ToolFormat::name).join(", ")
+                );
+            }
+            f
+        });
+        ModelInfo {
+            vocab: m.vocab_size() as usize,
+            max_context: m.max_context,
+            supports_tools: template.is_some_and(|t| t.supports_tools()),
+            tool_format: named.or_else(|| template.and_then(|t| ToolFormat::detect(t.source()))),
+            has_thinking: tok.token_to_id(mlex_generate::THINK_START).is_some()
+                && tok.token_to_id(mlex_generate::THINK_END).is_some(),
+        }
+    }
+}
+
 struct AppState {
     cfg: ServeConfig,
     jobs: mpsc::Sender<Msg>,
     metrics: Arc<Metrics>,
     in_flight: AtomicUsize,
-    vocab: usize,
-    max_context: Option<usize>,
+    info: ModelInfo,
     next_id: AtomicU64,
 }
 
 /// Counts a request against the queue bound until it ends.
-struct Slot(Arc<AppState>);
+pub(crate) struct Slot(Arc<AppState>);
 
 impl Drop for Slot {
     fn drop(&mut self) {
@@ -103,24 +143,24 @@ impl Drop for Slot {
     }
 }
 
-fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
     let body =
         json!({"error": {"message": message.into(), "type": kind, "param": null, "code": null}});
     (status, axum::Json(body)).into_response()
 }
 
-fn bad_request(message: impl Into<String>) -> Response {
+pub(crate) fn bad_request(message: impl Into<String>) -> Response {
     error(StatusCode::BAD_REQUEST, "invalid_request_error", message)
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
 }
 
-fn finish_reason(f: Finish) -> &'static str {
+pub(crate) fn finish_reason(f: Finish) -> &'static str {
     match f {
         Finish::Length | Finish::Context => "length",
         Finish::Eos | Finish::Stop | Finish::Cancelled => "stop",
@@ -146,106 +186,6 @@ fn check_auth(s: &AppState, headers: &HeaderMap) -> Option<Response> {
     }
 }
 
-/// Why a request is refused: its status and a message naming the field.
-struct Refusal(StatusCode, String);
-
-impl Refusal {
-    fn bad(message: impl Into<String>) -> Refusal {
-        Refusal(StatusCode::BAD_REQUEST, message.into())
-    }
-
-    fn response(self) -> Response {
-        error(self.0, "invalid_request_error", self.1)
-    }
-}
-
-/// The generation options of a request, or the refusal that names the field.
-fn options(
-    s: &AppState,
-    c: &Common,
-    max_tokens: Option<usize>,
-) -> std::result::Result<(GenerateOptions, Vec<String>), Refusal> {
-    if let Some(m) = &c.model {
-        if m != &s.cfg.model_id {
-            return Err(Refusal(
-                StatusCode::NOT_FOUND,
-                format!(
-                    "model `{m}` is not served here (this server serves `{}`)",
-                    s.cfg.model_id
-                ),
-            ));
-        }
-    }
-    if c.n.is_some_and(|n| n != 1) {
-        return Err(Refusal::bad("`n` must be 1"));
-    }
-    let max_tokens = max_tokens.unwrap_or(s.cfg.default_max_tokens);
-    if max_tokens == 0 {
-        return Err(Refusal::bad("`max_tokens` must be at least 1"));
-    }
-    if let Some(ctx) = s.max_context {
-        if max_tokens > ctx {
-            return Err(Refusal::bad(format!(
-                "`max_tokens` {max_tokens} exceeds the model's context of {ctx} tokens"
-            )));
-        }
-    }
-    let d = SamplerConfig::default();
-    let temp = c.temperature.unwrap_or(d.temp);
-    if !temp.is_finite() || temp < 0.0 {
-        return Err(Refusal::bad(format!(
-            "`temperature` {temp} must be a finite number ≥ 0"
-        )));
-    }
-    let top_p = c.top_p.unwrap_or(d.top_p);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(Refusal::bad(format!("`top_p` {top_p} must be in (0, 1]")));
-    }
-    let min_p = c.min_p.unwrap_or(d.min_p);
-    if !(0.0..=1.0).contains(&min_p) {
-        return Err(Refusal::bad(format!("`min_p` {min_p} must be in [0, 1]")));
-    }
-    let rp = c.repetition_penalty.unwrap_or(d.repetition_penalty);
-    if !rp.is_finite() || rp <= 0.0 {
-        return Err(Refusal::bad(format!(
-            "`repetition_penalty` {rp} must be > 0"
-        )));
-    }
-    let mut logit_bias = Vec::new();
-    for (k, b) in c.logit_bias.iter().flatten() {
-        let id: u32 = k
-            .parse()
-            .map_err(|_| Refusal::bad(format!("`logit_bias` key `{k}` is not a token id")))?;
-        if id as usize >= s.vocab {
-            return Err(Refusal::bad(format!(
-                "`logit_bias` token {id} is outside the vocabulary of {}",
-                s.vocab
-            )));
-        }
-        logit_bias.push((id, *b));
-    }
-    let sampler = SamplerConfig {
-        temp,
-        top_p,
-        top_k: c.top_k.unwrap_or(d.top_k),
-        min_p,
-        repetition_penalty: rp,
-        logit_bias,
-        seed: c.seed,
-        ..d
-    };
-    let opts = GenerateOptions {
-        max_tokens,
-        sampler,
-        stop_ids: Default::default(),
-        use_prompt_cache: false,
-    };
-    Ok((
-        opts,
-        c.stop.clone().map(api::Stop::into_vec).unwrap_or_default(),
-    ))
-}
-
 /// Parses a request body; the error names the field at fault.
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> std::result::Result<T, String> {
     let de = &mut serde_json::Deserializer::from_slice(body);
@@ -259,15 +199,27 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> std::result::Result<T, 
     })
 }
 
+/// [`parse`] for a part of a body already read as JSON; the error starts
+/// with the path inside it (`` `.function.name`: ... ``).
+pub(crate) fn parse_value<T: serde::de::DeserializeOwned>(
+    v: &serde_json::Value,
+) -> std::result::Result<T, String> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            format!("`: {}", e.inner())
+        } else {
+            format!("`.{path}`: {}", e.inner())
+        }
+    })
+}
+
 /// Which response shape a request wants.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     Chat,
     Completion,
 }
-
-/// The chat roles accepted (`developer` is OpenAI's newer `system`).
-const ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
 
 /// Largest request body accepted.
 const MAX_BODY_BYTES: usize = 4 << 20;
@@ -326,59 +278,19 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Body, kind: Kind) 
             return r;
         }
     };
-    let parsed = match kind {
-        Kind::Chat => parse::<ChatRequest>(&body)
-            .and_then(|r| {
-                if let Some((i, m)) = r
-                    .messages
-                    .iter()
-                    .enumerate()
-                    .find(|(_, m)| !ROLES.contains(&m.role.as_str()))
-                {
-                    return Err(format!(
-                        "`messages[{i}].role`: `{}` is not one of {}",
-                        m.role,
-                        ROLES.join(", ")
-                    ));
-                }
-                if r.messages.is_empty() {
-                    return Err("`messages` is empty".into());
-                }
-                Ok(r)
-            })
-            .map(|r| {
-                let max = r.max_completion_tokens.or(r.common.max_tokens);
-                let msgs = r
-                    .messages
-                    .into_iter()
-                    .map(|m| {
-                        let role = if m.role == "developer" {
-                            "system"
-                        } else {
-                            m.role.as_str()
-                        };
-                        Message::new(role, &m.content)
-                    })
-                    .collect();
-                (Prompt::Chat(msgs), r.common, max)
-            }),
-        Kind::Completion => parse::<CompletionRequest>(&body).map(|r| {
-            let max = r.common.max_tokens;
-            (Prompt::Text(r.prompt), r.common, max)
-        }),
+    let prepared = match kind {
+        Kind::Chat => parse::<ChatRequest>(&body).map(|r| request::chat(&s, r)),
+        Kind::Completion => parse::<CompletionRequest>(&body).map(|r| request::completion(&s, r)),
     };
-    let (prompt, common, max) = match parsed {
-        Ok(p) => p,
+    let prepared = match prepared {
+        Ok(Ok(p)) => p,
+        Ok(Err(Refusal(status, msg))) => {
+            s.metrics.rejected.inc();
+            return error(status, "invalid_request_error", msg);
+        }
         Err(e) => {
             s.metrics.rejected.inc();
             return bad_request(format!("request body: {e}"));
-        }
-    };
-    let (opts, stops) = match options(&s, &common, max) {
-        Ok(o) => o,
-        Err(r) => {
-            s.metrics.rejected.inc();
-            return r.response();
         }
     };
     let limit = s.cfg.batch + s.cfg.max_queue;
@@ -397,9 +309,10 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Body, kind: Kind) 
     let slot = Slot(s.clone());
     let (tx, mut rx) = tmpsc::unbounded_channel();
     let job = Job {
-        prompt,
-        opts,
-        stops,
+        prompt: prepared.prompt,
+        opts: prepared.opts,
+        stops: prepared.stops,
+        grammar: prepared.grammar,
         events: tx,
     };
     if s.jobs.send(Msg::Job(job)).is_err() {
@@ -410,13 +323,13 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Body, kind: Kind) 
         );
     }
     // The first event decides between a 400 and an answer.
-    let first = match rx.recv().await {
+    let in_reasoning = match rx.recv().await {
         Some(Event::Rejected(msg)) => {
             s.metrics.rejected.inc();
             return bad_request(msg);
         }
-        Some(ev) => ev,
-        None => {
+        Some(Event::Accepted { in_reasoning }) => in_reasoning,
+        _ => {
             return error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
@@ -424,144 +337,14 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Body, kind: Kind) 
             )
         }
     };
-    let id = s.next_id.fetch_add(1, Ordering::SeqCst);
-    let id = match kind {
-        Kind::Chat => format!("chatcmpl-{id}"),
-        Kind::Completion => format!("cmpl-{id}"),
-    };
-    let model = s.cfg.model_id.clone();
-    let created = now();
-    if !common.stream {
-        let mut text = String::new();
-        let mut ev = Some(first);
-        loop {
-            match ev {
-                Some(Event::Text(t)) => text.push_str(&t),
-                Some(Event::Done {
-                    finish,
-                    prompt_tokens,
-                    cached_tokens,
-                    completion_tokens,
-                }) => {
-                    drop(slot);
-                    let usage = json!({
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": completion_tokens,
-                        "total_tokens": prompt_tokens + completion_tokens,
-                        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-                    });
-                    let choice = match kind {
-                        Kind::Chat => {
-                            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason(finish)})
-                        }
-                        Kind::Completion => {
-                            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish_reason(finish)})
-                        }
-                    };
-                    let object = if kind == Kind::Chat {
-                        "chat.completion"
-                    } else {
-                        "text_completion"
-                    };
-                    return axum::Json(json!({
-                        "id": id, "object": object, "created": created, "model": model,
-                        "choices": [choice], "usage": usage,
-                    }))
-                    .into_response();
-                }
-                Some(Event::Rejected(msg)) => return bad_request(msg),
-                None => {
-                    return error(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "server_error",
-                        "the engine stopped",
-                    )
-                }
-            }
-            ev = rx.recv().await;
-        }
+    let n = s.next_id.fetch_add(1, Ordering::SeqCst);
+    let h = respond::Header::new(kind, n, s.cfg.model_id.clone());
+    let shape = prepared.shape;
+    if shape.stream {
+        respond::streamed(h, shape, in_reasoning, rx, slot)
+    } else {
+        respond::whole(h, shape, in_reasoning, rx, slot).await
     }
-    let include_usage = common.stream_options.is_some_and(|o| o.include_usage);
-    let (out, out_rx) = tmpsc::channel::<std::result::Result<SseEvent, Infallible>>(64);
-    tokio::spawn(async move {
-        let _slot = slot;
-        let object = if kind == Kind::Chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        let chunk = |delta: Value, finish: Value| -> SseEvent {
-            let choice = match kind {
-                Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish}),
-                Kind::Completion => {
-                    json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "logprobs": null, "finish_reason": finish})
-                }
-            };
-            SseEvent::default().data(
-                json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]})
-                    .to_string(),
-            )
-        };
-        if kind == Kind::Chat
-            && out
-                .send(Ok(chunk(
-                    json!({"role": "assistant", "content": ""}),
-                    Value::Null,
-                )))
-                .await
-                .is_err()
-        {
-            return;
-        }
-        let mut ev = Some(first);
-        while let Some(e) = ev {
-            match e {
-                Event::Text(t) => {
-                    if out
-                        .send(Ok(chunk(json!({"content": t}), Value::Null)))
-                        .await
-                        .is_err()
-                    {
-                        return; // Client gone: dropping `rx` stops the sequence.
-                    }
-                }
-                Event::Done {
-                    finish,
-                    prompt_tokens,
-                    cached_tokens,
-                    completion_tokens,
-                } => {
-                    let _ = out
-                        .send(Ok(chunk(json!({}), json!(finish_reason(finish)))))
-                        .await;
-                    if include_usage {
-                        let usage = json!({
-                            "id": id, "object": object, "created": created, "model": model, "choices": [],
-                            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                      "total_tokens": prompt_tokens + completion_tokens,
-                                      "prompt_tokens_details": {"cached_tokens": cached_tokens}},
-                        });
-                        let _ = out
-                            .send(Ok(SseEvent::default().data(usage.to_string())))
-                            .await;
-                    }
-                    let _ = out.send(Ok(SseEvent::default().data("[DONE]"))).await;
-                    return;
-                }
-                Event::Rejected(msg) => {
-                    let _ = out
-                        .send(Ok(SseEvent::default()
-                            .data(json!({"error": {"message": msg}}).to_string())))
-                        .await;
-                    return;
-                }
-            }
-            ev = rx.recv().await;
-        }
-    });
-    Sse::new(ReceiverStream::new(out_rx))
-        .keep_alive(KeepAlive::default())
-        .into_response()
 }
 
 async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
@@ -648,7 +431,7 @@ pub fn serve(
 ) -> Result<()> {
     let metrics = Arc::new(Metrics::default());
     let (jobs, rx) = mpsc::channel::<Msg>();
-    let (ready_tx, ready_rx) = mpsc::channel::<Result<(usize, Option<usize>)>>();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<ModelInfo>>();
     let engine_metrics = metrics.clone();
     let batch = cfg.batch;
     let cache_bytes = cfg.prompt_cache_bytes;
@@ -660,13 +443,12 @@ pub fn serve(
                 return Ok(());
             }
         };
-        let m = &loaded.generator.model;
-        let _ = ready_tx.send(Ok((m.vocab_size() as usize, m.max_context)));
+        let _ = ready_tx.send(Ok(ModelInfo::of(&loaded.generator, &loaded.tokenizer)));
         let mut generator = loaded.generator;
         generator.prompt_cache = mlex_generate::PromptCache::new(64, cache_bytes);
         engine::run(generator, loaded.tokenizer, batch, rx, engine_metrics)
     });
-    let (vocab, max_context) = ready_rx
+    let info = ready_rx
         .recv()
         .map_err(|_| Error::Other("the engine thread ended while loading".into()))??;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -680,8 +462,7 @@ pub fn serve(
         jobs: jobs.clone(),
         metrics,
         in_flight: AtomicUsize::new(0),
-        vocab,
-        max_context,
+        info,
         next_id: AtomicU64::new(0),
     });
     let cancel = jobs.clone();

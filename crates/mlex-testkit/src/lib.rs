@@ -113,6 +113,20 @@ pub fn reference_python() -> (PathBuf, PathBuf) {
     (py, scripts)
 }
 
+/// The agent-server fixture `qwen3-tools` (`xtask/py/tool_fixture.py`): a
+/// tiny Qwen3 with the real Qwen3 tokenizer and chat template, its
+/// `render.json` and `logprobs.json` references. Not in the manifest's list
+/// (its model is plain qwen3); missing, it fails like a missing fixture.
+pub fn tools_fixture() -> PathBuf {
+    let dir = fixtures_dir().join("qwen3-tools");
+    assert!(
+        dir.join("render.json").is_file(),
+        "fixture missing: {} (run `cargo xtask fixtures`, or `cargo xtask test`)",
+        dir.display()
+    );
+    dir
+}
+
 /// The fixture called `name` (see [`fixtures`]).
 pub fn fixture(name: &str) -> Fixture {
     fixtures()

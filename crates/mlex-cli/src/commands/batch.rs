@@ -188,14 +188,14 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
                     engine.cancel(id);
                 }
             }
-            let mut on_token = |id: SeqId, t: u32| -> Result<Flow> {
+            let mut on_token = |id: SeqId, t: &mlex_generate::Emitted| -> Result<Flow> {
                 let Some(o) = outputs.get_mut(&id) else {
                     return Ok(Flow::Continue);
                 };
                 let Some(ts) = o.text.as_mut() else {
                     return Ok(Flow::Continue);
                 };
-                Ok(if ts.push(t)?.stop {
+                Ok(if ts.push(t.id)?.stop {
                     Flow::Stop
                 } else {
                     Flow::Continue

@@ -42,6 +42,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         sampler: SamplerConfig::default(),
         stop_ids: Default::default(),
         use_prompt_cache: false,
+        ..Default::default()
     };
     if let Some(n) = a.batch {
         return run_batch(&a, &mut g, &arch, n as usize, vocab, &opts);
@@ -428,6 +429,7 @@ fn prefix_pair(g: &mut Generator, a: &[u32], b: &[u32]) -> Result<PrefixPair> {
         sampler: SamplerConfig::default(),
         stop_ids: Default::default(),
         use_prompt_cache,
+        ..Default::default()
     };
     let cold = g.generate(b, &once(false), &mut |_| Ok(Flow::Continue))?;
     g.prompt_cache = mlex_cache::PromptCache::new(8, usize::MAX);

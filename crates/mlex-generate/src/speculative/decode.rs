@@ -38,7 +38,7 @@ impl Generator {
             None => StdRng::from_os_rng(),
         };
         let ctx = opts.sampler.repetition_context.max(1);
-        let use_history = opts.sampler.repetition_penalty != 1.0;
+        let use_history = opts.sampler.uses_history();
         let greedy = opts.sampler.is_greedy();
         let mut stats = SpecStats {
             drafter: drafter.name().to_owned(),

@@ -321,6 +321,7 @@ impl Drafter for ScriptedDrafter {
                 sampler: crate::sampler::SamplerConfig::default(),
                 stop_ids: Default::default(),
                 use_prompt_cache: false,
+                ..Default::default()
             };
             let more = oracle.generate(req.context, &opts, &mut |_| {
                 Ok(crate::generate::Flow::Continue)

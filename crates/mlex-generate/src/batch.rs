@@ -157,9 +157,14 @@ impl Active {
     }
 
     /// Samples this row's next token from its logits `[1, V]`, under its
-    /// grammar's mask.
-    fn sample_row(&mut self, logits: &Array) -> Result<Array> {
-        let mask = match self.constraint.as_mut().map(Constraint::mask).transpose() {
+    /// grammar's mask; `feeding_output` when an output token not yet in
+    /// `out` is being fed (the budget counts it).
+    fn sample_row(&mut self, logits: &Array, feeding_output: bool) -> Result<Array> {
+        // The budget left, this token included.
+        let left = self
+            .max_tokens
+            .saturating_sub(self.out.len() + usize::from(feeding_output));
+        let mask = match self.constraint.as_mut().map(|c| c.mask(left)).transpose() {
             Ok(m) => m,
             Err(e) => {
                 self.failed = Some(e);
@@ -525,7 +530,7 @@ impl<'g> BatchGenerator<'g> {
             let first = match &logits {
                 Some(l) => {
                     prompt_rest.clear();
-                    let first = active.sample_row(l)?;
+                    let first = active.sample_row(l, false)?;
                     firsts.push(first.clone());
                     firsts.extend(
                         active
@@ -689,7 +694,8 @@ impl<'g> BatchGenerator<'g> {
                 // logits; its sampler (and its random stream) is not used.
                 Some(a) if a.prompt_rest.is_empty() => {
                     let row = logits.try_index(r..r + 1)?;
-                    parts.push(a.sample_row(&row)?);
+                    let feeding_output = !a.next_is_prompt;
+                    parts.push(a.sample_row(&row, feeding_output)?);
                 }
                 Some(_) => parts.push(ops::zeros_dtype(&[1], Dtype::Uint32)?),
                 None => parts.push(ops::zeros_dtype(&[1], Dtype::Uint32)?),

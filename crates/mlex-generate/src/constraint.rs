@@ -9,6 +9,19 @@
 //! the decode loop asks it for a mask before each token and tells it the
 //! token drawn. When the grammar is complete only the end tokens stay
 //! allowed, so a constrained answer ends where its grammar does.
+//!
+//! An answer must also end within its `max_tokens`, and a grammar such as
+//! "any JSON object" lets a model write forever (a random-weight model
+//! does). In the last [`CLOSING_RESERVE`] tokens of its budget a
+//! constraint closes the answer: the end token as soon as the grammar
+//! allows one, else the first allowed of `}` `]` `"` `:` `0`, the letters
+//! of `true`, `false` and `null`, and `,` (`"` first inside a string: the
+//! shortest way out of most JSON states), else what the model prefers
+//! among the allowed tokens.
+//!
+//! A JSON schema without llguidance options of its own (`x-guidance`) is
+//! laid out with one space after `,` and `:` and no other whitespace, so
+//! that no answer spends its tokens on blank space.
 
 use crate::tokenizer::Tokenizer;
 use llguidance::api::TopLevelGrammar;
@@ -51,11 +64,21 @@ impl TokenizerEnv for Env {
     }
 }
 
+/// Tokens of the budget in which a constrained answer is closed.
+pub const CLOSING_RESERVE: usize = 24;
+
+/// The texts that close an answer soonest, in order of preference.
+const CLOSERS: [&str; 15] = [
+    "}", "]", "\"", ":", "0", "t", "r", "u", "e", "f", "a", "l", "s", "n", ",",
+];
+
 /// The grammar engine for one tokenizer and model vocabulary.
 pub struct Grammars {
     factory: Arc<ParserFactory>,
     vocab: usize,
     stop_ids: Vec<u32>,
+    closers: Arc<Vec<u32>>,
+    quote: Option<u32>,
 }
 
 impl Grammars {
@@ -77,8 +100,14 @@ impl Grammars {
             )
         })?;
         let info = TokRxInfo::new(words.len() as u32, eos);
+        let trie = TokTrie::from(&info, &words);
+        let quote = trie.token_id(b"\"");
+        let closers = CLOSERS
+            .iter()
+            .filter_map(|c| trie.token_id(c.as_bytes()))
+            .collect();
         let env: TokEnv = Arc::new(Env {
-            trie: TokTrie::from(&info, &words),
+            trie,
             hf: Arc::new(hf.clone()),
         });
         let mut factory = ParserFactory::new_simple(&env)
@@ -88,13 +117,15 @@ impl Grammars {
             factory: Arc::new(factory),
             vocab,
             stop_ids: tokenizer.eos_ids.iter().copied().collect(),
+            closers: Arc::new(closers),
+            quote,
         })
     }
 
     /// A fresh constraint for `grammar`, or why the grammar is refused.
     pub fn compile(&self, grammar: &Grammar) -> std::result::Result<Constraint, String> {
         let top = match grammar {
-            Grammar::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
+            Grammar::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s.clone())),
             Grammar::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         };
         let parser = self.factory.create_parser(top).map_err(|e| e.to_string())?;
@@ -106,10 +137,24 @@ impl Grammars {
             matcher,
             vocab: self.vocab,
             stop_ids: self.stop_ids.clone(),
+            closers: self.closers.clone(),
+            quote: self.quote,
+            in_string: false,
+            escaped: false,
             mask_time: Duration::ZERO,
             masks: 0,
         })
     }
+}
+
+/// A schema with llguidance's layout set unless it sets its own.
+fn compact(mut schema: Value) -> Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+        });
+    }
+    schema
 }
 
 /// One request's grammar state.
@@ -118,6 +163,13 @@ pub struct Constraint {
     matcher: Matcher,
     vocab: usize,
     stop_ids: Vec<u32>,
+    closers: Arc<Vec<u32>>,
+    /// The `"` token.
+    quote: Option<u32>,
+    /// The output so far ends inside a JSON string (after an odd number of
+    /// unescaped quotes), and just after a backslash there.
+    in_string: bool,
+    escaped: bool,
     /// Host time spent computing masks.
     pub mask_time: Duration,
     /// Masks computed.
@@ -165,9 +217,45 @@ impl Constraint {
         Ok(allowed)
     }
 
-    /// [`Constraint::allowed`] as a `[1, vocab]` bool array.
-    pub fn mask(&mut self) -> Result<Array> {
-        let allowed = self.allowed()?;
+    /// The tokens allowed next when `left` tokens of the budget remain:
+    /// [`Constraint::allowed`], narrowed to one closing token in the last
+    /// [`CLOSING_RESERVE`] (see the module).
+    pub fn allowed_within(&mut self, left: usize) -> Result<Vec<bool>> {
+        let mut allowed = self.allowed()?;
+        if left > CLOSING_RESERVE {
+            return Ok(allowed);
+        }
+        let ends = self
+            .stop_ids
+            .iter()
+            .any(|&s| allowed.get(s as usize) == Some(&true));
+        let quote_first = (self.in_string && !self.escaped)
+            .then_some(self.quote)
+            .flatten();
+        let pick: Vec<u32> = if ends {
+            self.stop_ids.clone()
+        } else {
+            quote_first
+                .into_iter()
+                .chain(self.closers.iter().copied())
+                .find(|&t| allowed.get(t as usize) == Some(&true))
+                .into_iter()
+                .collect()
+        };
+        if !pick.is_empty() {
+            allowed.iter_mut().for_each(|a| *a = false);
+            for t in pick {
+                if let Some(a) = allowed.get_mut(t as usize) {
+                    *a = true;
+                }
+            }
+        }
+        Ok(allowed)
+    }
+
+    /// [`Constraint::allowed_within`] as a `[1, vocab]` bool array.
+    pub fn mask(&mut self, left: usize) -> Result<Array> {
+        let allowed = self.allowed_within(left)?;
         Ok(Array::from_slice(&allowed, &[1, self.vocab as i32]))
     }
 
@@ -175,6 +263,21 @@ impl Constraint {
     pub fn consume(&mut self, token: u32) -> Result<()> {
         if self.stop_ids.contains(&token) || self.matcher.is_stopped() {
             return Ok(());
+        }
+        let env = self
+            .matcher
+            .tok_env()
+            .map_err(|e| Error::Other(format!("grammar: {e}")))?;
+        for &b in env.tok_trie().token(token) {
+            if !self.in_string {
+                self.in_string = b == b'"';
+            } else if self.escaped {
+                self.escaped = false;
+            } else if b == b'\\' {
+                self.escaped = true;
+            } else if b == b'"' {
+                self.in_string = false;
+            }
         }
         self.matcher
             .consume_token(token)

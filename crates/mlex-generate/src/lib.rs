@@ -30,7 +30,7 @@ mod tool_calls;
 
 pub use batch::{BatchGenerator, BatchOutput, BatchStats, Emitted, SeqId, TokenLogprob};
 pub use chat::{ChatTemplate, FunctionCall, Message, RenderOptions, ToolCall};
-pub use constraint::{Constraint, Grammar, Grammars};
+pub use constraint::{Constraint, Grammar, Grammars, CLOSING_RESERVE};
 pub use detok::StreamingDetokenizer;
 pub use generate::{
     Finish, Flow, GenerateOptions, Generation, Generator, DEFAULT_CHECKPOINT_EVERY,

@@ -82,7 +82,7 @@ fn random_walk(g: &Grammars, tok: &Tokenizer, grammar: &Grammar, seed: u64) -> S
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut ids = Vec::new();
     for _ in 0..1500 {
-        let allowed = c.allowed().unwrap();
+        let allowed = c.allowed_within(usize::MAX).unwrap();
         let ends: Vec<u32> = tok
             .eos_ids
             .iter()
@@ -202,7 +202,6 @@ fn every_walk_through_a_json_schema_parses_against_it() {
         },
         "required": ["answer", "confidence", "tags"],
         "additionalProperties": false,
-        "x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "},
     });
     for seed in 0..10 {
         let text = random_walk(&g, &tok, &Grammar::JsonSchema(schema.clone()), seed);
@@ -225,4 +224,114 @@ fn every_walk_through_a_json_schema_parses_against_it() {
         json!({"type": "object", "properties": {"a": {"type": "strng"}}}),
     ));
     assert!(bad.is_err(), "an unknown type is refused");
+}
+
+/// "Any JSON object" lets a walk go on forever; within its budget the
+/// constraint closes it, and what comes out is an object.
+#[test]
+fn a_free_json_object_closes_within_its_budget() {
+    let tok = tokenizer();
+    let g = Grammars::new(&tok, 151_936).unwrap();
+    let schema = json!({"type": "object"});
+    for (seed, budget) in [(0u64, 60usize), (1, 40), (2, 100), (3, 25), (4, 8)] {
+        let mut c = g.compile(&Grammar::JsonSchema(schema.clone())).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut ids = Vec::new();
+        let mut ended = false;
+        for n in 0..budget {
+            let allowed = c.allowed_within(budget - n).unwrap();
+            let choices: Vec<u32> = (0..allowed.len() as u32)
+                .filter(|&t| allowed[t as usize])
+                .collect();
+            let t = choices[rng.random_range(0..choices.len())];
+            if tok.eos_ids.contains(&t) {
+                ended = true;
+                break;
+            }
+            c.consume(t).unwrap();
+            ids.push(t);
+        }
+        let text = tok.decode(&ids).unwrap();
+        assert!(ended, "budget {budget}: no end in {text:?}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert!(v.is_object(), "{text}");
+    }
+}
+
+/// Constrained rows decode in one batch beside unconstrained ones: the
+/// unconstrained rows give what they give alone, the constrained ones parse.
+#[test]
+fn constrained_rows_decode_beside_unconstrained_ones() {
+    use mlex_generate::{BatchGenerator, Flow, GenerateOptions, Generator};
+    let tok = tokenizer();
+    let load = || {
+        let registry = mlex_models::registry().unwrap();
+        let loaded = mlex_models::load::load(tools_fixture().to_str().unwrap(), registry).unwrap();
+        Generator::new(loaded.model, true)
+    };
+    let g = Grammars::new(&tok, 151_936).unwrap();
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+                        "required": ["ok", "n"], "additionalProperties": false});
+    let prompts: Vec<Vec<u32>> = ["Hello there", "Write JSON.", "What now?", "Another JSON."]
+        .iter()
+        .map(|p| tok.chat_ids(&[Message::new("user", p)], true).unwrap())
+        .collect();
+    let opts = |i: usize| GenerateOptions {
+        max_tokens: 16,
+        stop_ids: tok.eos_ids.clone(),
+        constraint: (i % 2 == 1).then(|| g.compile(&Grammar::JsonSchema(schema.clone())).unwrap()),
+        logprobs: (i == 2).then_some(3),
+        ..Default::default()
+    };
+    let run = |which: &[usize]| {
+        let mut gen = load();
+        let mut b = BatchGenerator::new(&mut gen, 4).unwrap();
+        let ids: Vec<_> = which
+            .iter()
+            .map(|&i| b.submit(prompts[i].clone(), opts(i)))
+            .collect();
+        let mut lps = 0;
+        let out = b
+            .run(&mut |_, e| {
+                lps += usize::from(e.logprob.is_some());
+                Ok(Flow::Continue)
+            })
+            .unwrap();
+        let toks: Vec<Vec<u32>> = ids
+            .iter()
+            .map(|id| {
+                out.iter()
+                    .find(|(o, _)| o == id)
+                    .unwrap()
+                    .1
+                    .as_ref()
+                    .unwrap()
+                    .tokens
+                    .clone()
+            })
+            .collect();
+        (toks, lps)
+    };
+    let (together, lps) = run(&[0, 1, 2, 3]);
+    let (alone, _) = run(&[0, 2]);
+    assert_eq!(together[0], alone[0]);
+    assert_eq!(together[2], alone[1]);
+    assert_eq!(
+        lps,
+        together[2].len(),
+        "the row that asked has a logprob per token"
+    );
+    for i in [1, 3] {
+        let ids: Vec<u32> = together[i]
+            .iter()
+            .copied()
+            .filter(|t| !tok.eos_ids.contains(t))
+            .collect();
+        let text = tok.decode(&ids).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert!(
+            v["ok"].is_boolean() && [1, 2, 3].contains(&v["n"].as_i64().unwrap()),
+            "{text}"
+        );
+    }
 }

@@ -186,9 +186,7 @@ fn options(
 fn format_grammar(f: &ResponseFormat) -> Checked<Option<Grammar>> {
     match f.kind.as_str() {
         "text" => Ok(None),
-        "json_object" => Ok(Some(Grammar::JsonSchema(json_defaults(
-            json!({"type": "object"}),
-        )))),
+        "json_object" => Ok(Some(Grammar::JsonSchema(json!({"type": "object"})))),
         "json_schema" => {
             let js = f.json_schema.as_ref().ok_or_else(|| {
                 Refusal::bad("`response_format.json_schema`: required with `type` `json_schema`")
@@ -199,24 +197,12 @@ fn format_grammar(f: &ResponseFormat) -> Checked<Option<Grammar>> {
                     "`response_format.json_schema.schema`: must be a JSON schema object",
                 ));
             }
-            Ok(Some(Grammar::JsonSchema(json_defaults(schema))))
+            Ok(Some(Grammar::JsonSchema(schema)))
         }
         other => Err(Refusal::bad(format!(
             "`response_format.type`: `{other}` is not one of text, json_object, json_schema"
         ))),
     }
-}
-
-/// A schema with llguidance's layout set unless it sets its own: one space
-/// after `,` and `:`, no other whitespace, so that an answer cannot spend
-/// its tokens on blank space.
-fn json_defaults(mut schema: Value) -> Value {
-    if let Some(o) = schema.as_object_mut() {
-        o.entry("x-guidance").or_insert_with(
-            || json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
-        );
-    }
-    schema
 }
 
 /// The text of a message's content.
@@ -234,11 +220,13 @@ fn content_text(i: usize, c: &Option<Content>) -> Checked<String> {
                             "`messages[{i}].content[{j}].text`: a text part needs a string `text`"
                         )))
                     }
-                    (t, _) => return Err(Refusal::bad(format!(
+                    (t, _) => {
+                        return Err(Refusal::bad(format!(
                         "`messages[{i}].content[{j}].type`: {} is not supported (only text parts)",
                         t.map(|t| format!("`{t}`"))
                             .unwrap_or("a missing type".into())
-                    ))),
+                    )))
+                    }
                 }
             }
             Ok(text)

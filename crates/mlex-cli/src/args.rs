@@ -88,6 +88,126 @@ pub enum Command {
   mlex serve --model ./my-model --host 0.0.0.0 --port 8080 --batch 32 --api-key secret
   curl localhost:8080/v1/chat/completions -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'")]
     Serve(ServeArgs),
+    /// Write a model as an MLX-community checkpoint (what mlx-lm and mlex load): quantized, dequantized or cast.
+    #[command(after_help = "Examples:
+  mlex convert --model ./my-model --out ./my-model-4bit --quantize 4
+  mlex convert --model model.gguf --out ./from-gguf --dequantize --dtype bfloat16
+  mlex convert --model ./my-model --out ./mixed --quant-recipe mixed-3-6 --group-size 64")]
+    Convert(ConvertArgs),
+    /// Measure a model's perplexity on a text file (mlx_lm.perplexity's windows, with an optional stride).
+    #[command(after_help = "Examples:
+  mlex perplexity --model ./my-model --data book.txt --context 512
+  mlex perplexity --model ./my-model --data docs.jsonl --context 1024 --stride 512 --format json")]
+    Perplexity(PerplexityArgs),
+}
+
+/// A size such as `5GiB`, `500MB` or `4096`.
+fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (5GiB, 500MB, 4096)"))?;
+    let scale: f64 = match unit.trim() {
+        "" | "B" => 1.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        u => return Err(format!("`{u}` is not a unit (KB, MB, GB, KiB, MiB, GiB)")),
+    };
+    let bytes = (n * scale) as u64;
+    if bytes == 0 {
+        return Err(format!("`{s}` is empty"));
+    }
+    Ok(bytes)
+}
+
+/// A floating dtype to cast to.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum DtypeArg {
+    /// IEEE half precision.
+    Float16,
+    /// bfloat16.
+    Bfloat16,
+    /// Single precision.
+    Float32,
+}
+
+/// mlx-lm's mixed quantization recipes.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum RecipeArg {
+    /// 2 bits, 6 for the sensitive layers.
+    #[value(name = "mixed-2-6")]
+    Mixed26,
+    /// 3 bits, 4 for the sensitive layers.
+    #[value(name = "mixed-3-4")]
+    Mixed34,
+    /// 3 bits, 6 for the sensitive layers.
+    #[value(name = "mixed-3-6")]
+    Mixed36,
+    /// 4 bits, 6 for the sensitive layers.
+    #[value(name = "mixed-4-6")]
+    Mixed46,
+}
+
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// A model directory, a .gguf file, or a Hugging Face repo id.
+    #[arg(long, short)]
+    pub model: String,
+    /// The folder to write (must not exist).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Quantize every linear and embedding matrix to this many bits (affine: 2, 3, 4, 5, 6, 8).
+    #[arg(long, short = 'q', allow_negative_numbers = true, value_name = "BITS", conflicts_with_all = ["dequantize", "quant_recipe"])]
+    pub quantize: Option<i32>,
+    /// Quantize by a mixed recipe: more bits for the value and down projections of some layers and the head.
+    #[arg(long, value_enum, conflicts_with = "dequantize")]
+    pub quant_recipe: Option<RecipeArg>,
+    /// Group size for --quantize and --quant-recipe (32, 64, 128).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
+    pub group_size: i32,
+    /// Dequantize every packed matrix.
+    #[arg(long, short = 'd')]
+    pub dequantize: bool,
+    /// Cast the floating weights (but A_log and e_score_correction_bias) to this dtype.
+    #[arg(long, value_enum)]
+    pub dtype: Option<DtypeArg>,
+    /// Largest weight shard: bytes, or with KB, MB, GB (powers of 1000) or KiB, MiB, GiB.
+    #[arg(long, default_value = "5GiB", value_parser = parse_size)]
+    pub shard_size: u64,
+    /// Output format of the summary.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The text: a .txt file (one document) or .jsonl (a `text` field per line).
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Tokens per window (mlx_lm.perplexity's --sequence-length).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(2..))]
+    pub context: u64,
+    /// Tokens between window starts (default: the context, windows apart); a window after the first scores only its last `stride` tokens.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub stride: Option<u64>,
+    /// Windows per forward.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    pub batch: u64,
+    /// Most windows to score (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub num_samples: u64,
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
 }
 
 #[derive(Args, Debug)]

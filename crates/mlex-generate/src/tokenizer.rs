@@ -84,6 +84,9 @@ pub struct Tokenizer {
     pub eos_ids: BTreeSet<u32>,
     /// The BOS token id, if any.
     pub bos_id: Option<u32>,
+    /// The end token the tokenizer names first (`eos_token`), which
+    /// `mlx_lm.perplexity` appends to each document.
+    pub eos_id: Option<u32>,
     /// Prepend BOS when encoding a raw prompt.
     pub add_bos: bool,
     /// The chat template, if the model has one.
@@ -211,10 +214,15 @@ impl Tokenizer {
             .get("tool_parser_type")
             .and_then(Value::as_str)
             .map(str::to_owned);
+        let eos_id = eos
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t))
+            .or_else(|| eos_ids.iter().next().copied());
         let mut t = Self {
             inner,
             eos_ids,
             bos_id,
+            eos_id,
             add_bos,
             chat_template,
             tool_parser_type,
@@ -310,6 +318,7 @@ impl Tokenizer {
             inner,
             eos_ids: g.eos.into_iter().collect(),
             bos_id: g.bos,
+            eos_id: g.eos,
             // llama.cpp adds BOS to a SentencePiece vocabulary that does not
             // say otherwise.
             add_bos: g.add_bos.unwrap_or(sentencepiece),
@@ -425,6 +434,11 @@ impl Tokenizer {
         self.inner
             .decode(ids, true)
             .map_err(|e| tok_err("decode", e))
+    }
+
+    /// The text of a token id, as the vocabulary spells it.
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
     }
 
     /// The id of a token's text.

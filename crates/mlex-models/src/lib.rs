@@ -20,6 +20,7 @@ pub mod layers;
 pub mod load;
 pub mod quantize;
 mod sanitize;
+pub mod save;
 pub mod spec;
 
 use mlex_core::error::{Error, Result};

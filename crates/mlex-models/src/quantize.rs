@@ -23,6 +23,82 @@ pub fn quantize(
     bits: i32,
 ) -> Result<Model> {
     let spec = QuantSpec { group_size, bits };
+    quantize_with(model, arch, registry, &spec, None)
+}
+
+/// mlx-lm's mixed quantization recipes (`mlx_lm.convert --quant-predicate`,
+/// after llama.cpp's `Q4_K_M` choices): the value projections and
+/// `down_proj` of the first and last eighth of the layers and of every
+/// third layer between, and the output head, get the high bits; the rest
+/// the low.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recipe {
+    /// 2 and 6 bits.
+    Mixed2_6,
+    /// 3 and 4 bits.
+    Mixed3_4,
+    /// 3 and 6 bits.
+    Mixed3_6,
+    /// 4 and 6 bits.
+    Mixed4_6,
+}
+
+impl Recipe {
+    /// (low, high) bits.
+    pub fn bits(self) -> (i32, i32) {
+        match self {
+            Recipe::Mixed2_6 => (2, 6),
+            Recipe::Mixed3_4 => (3, 4),
+            Recipe::Mixed3_6 => (3, 6),
+            Recipe::Mixed4_6 => (4, 6),
+        }
+    }
+
+    /// Its name (`mixed_3_6`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Recipe::Mixed2_6 => "mixed_2_6",
+            Recipe::Mixed3_4 => "mixed_3_4",
+            Recipe::Mixed3_6 => "mixed_3_6",
+            Recipe::Mixed4_6 => "mixed_4_6",
+        }
+    }
+
+    /// The bits of `module` (`model.layers.3.mlp.down_proj`) in a model of
+    /// `layers` layers whose layer index is component `at` of a module path.
+    fn bits_of(self, module: &str, layers: usize, at: usize) -> i32 {
+        let (low, high) = self.bits();
+        let index: usize = module
+            .split('.')
+            .nth(at)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let more = index < layers / 8
+            || index >= 7 * layers / 8
+            || (index as i64 - (layers / 8) as i64).rem_euclid(3) == 2;
+        let value = ["v_proj", "v_a_proj", "v_b_proj"]
+            .iter()
+            .any(|v| module.contains(v));
+        if (value || module.contains("down_proj")) && more || module.contains("lm_head") {
+            high
+        } else {
+            low
+        }
+    }
+}
+
+/// [`quantize`] with groups of `spec.group_size`, `spec.bits` bits, or by a
+/// mixed `recipe`: then every quantized module gets its own entry in the
+/// model's quantization, as mlx-lm writes it.
+pub fn quantize_with(
+    model: &Model,
+    arch: &dyn Architecture,
+    registry: &Registry,
+    spec: &QuantSpec,
+    recipe: Option<Recipe>,
+) -> Result<Model> {
+    let (group_size, bits) = (spec.group_size, spec.bits);
+    let spec = spec.clone();
     spec.validate("quantize", &model.config)?;
     if !model.quantization.is_none() {
         return Err(Error::invalid(
@@ -38,6 +114,27 @@ pub fn quantize(
     for slot in &model.layers {
         targets.extend(slot.layer.quantizable());
     }
+    // Where a module path holds the layer index (mlx-lm looks at its first
+    // `down_proj`).
+    let layer_at = match recipe {
+        None => 0,
+        Some(r) => model
+            .params
+            .iter()
+            .map(|(n, _)| n)
+            .find(|n| n.contains("down_proj"))
+            .and_then(|n| n.split('.').position(|c| c.parse::<usize>().is_ok()))
+            .ok_or_else(|| {
+                Error::invalid(
+                    "quant recipe",
+                    format!(
+                        "{}: the model has no `down_proj` with a layer index",
+                        r.name()
+                    ),
+                )
+            })?,
+    };
+    let mut overrides = model.quantization.overrides.clone();
     let mut weights = WeightMap::new();
     let file = weights.add_file("(quantized in memory)".into());
     let mut packed = 0;
@@ -47,6 +144,20 @@ pub fn quantize(
         let module = name.strip_suffix(".weight");
         match module {
             Some(module) if targets.contains(&id) && cols % group_size == 0 => {
+                let bits = match recipe {
+                    Some(r) => {
+                        let b = r.bits_of(module, model.layers.len(), layer_at);
+                        overrides.insert(
+                            module.to_owned(),
+                            Some(QuantSpec {
+                                group_size,
+                                bits: b,
+                            }),
+                        );
+                        b
+                    }
+                    None => bits,
+                };
                 let (w, s, b) = ops::quantize(array, group_size, bits)?;
                 weights.insert(format!("{module}.weight"), w, file);
                 weights.insert(format!("{module}.scales"), s, file);
@@ -64,7 +175,7 @@ pub fn quantize(
     }
     let quantization = Quantization {
         default: Some(spec),
-        overrides: model.quantization.overrides.clone(),
+        overrides,
     };
     let plan = arch.plan(&model.config)?;
     Model::build_from_plan(

@@ -3,11 +3,13 @@
 mod batch;
 mod bench;
 mod chat;
+mod convert;
 mod env;
 mod generate;
 mod inspect;
 mod list;
 mod logits;
+mod perplexity;
 mod plan;
 mod serve;
 
@@ -47,6 +49,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Logits(a) => logits::run(a, &registry()?),
         Command::Serve(a) => serve::run(a, registry_paths(&cli.arch_files)),
         Command::Env(a) => env::run(a),
+        Command::Convert(a) => convert::run(a, &registry()?),
+        Command::Perplexity(a) => perplexity::run(a, &registry()?),
     }
 }
 

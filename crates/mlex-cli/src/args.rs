@@ -455,6 +455,10 @@ pub struct BenchArgs {
     /// each, medians).
     #[arg(long, conflicts_with_all = ["batch", "shared_prefix", "draft_acceptance"])]
     pub verify_cost: bool,
+    /// With --batch: hold every sequence to this JSON schema (a file), to
+    /// measure what constrained decoding costs per token.
+    #[arg(long, value_name = "FILE", requires = "batch")]
+    pub json_schema: Option<PathBuf>,
     /// Output format.
     #[arg(long, value_enum, default_value_t)]
     pub format: Format,

@@ -193,7 +193,7 @@ fn answers_held_to_a_json_schema_parse_against_it() {
     .enumerate()
     {
         for stream_it in [false, true] {
-            let mut req = json!({"messages": ask(), "response_format": format, "temperature": 0,
+            let req = json!({"messages": ask(), "response_format": format, "temperature": 0,
                                  "max_tokens": 400, "stream": stream_it});
             let text: String = if stream_it {
                 events(stream(&s, "/v1/chat/completions", None, &req))

@@ -35,7 +35,37 @@ pub const TARGETS: &[(&str, Harness)] = &[
     ("tokenizer_json", tokenizer_json),
     ("chat_template", chat_template),
     ("arch_toml", arch_toml),
+    ("model_output", model_output),
 ];
+
+/// Text a model writes (the server reads it for tool calls in every format
+/// and splits off its reasoning), fed in pieces of one, three and 64
+/// characters, as a streamed answer arrives cut anywhere.
+pub fn model_output(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let tools = vec![mlex_generate::ToolDef {
+        name: "f".into(),
+        parameters: serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}}),
+    }];
+    let chars: Vec<char> = text.chars().collect();
+    for step in [1, 3, 64] {
+        for format in mlex_generate::ToolFormat::ALL {
+            let mut stream = mlex_generate::ToolCallStream::new(format, tools.clone());
+            for piece in chars.chunks(step) {
+                let _ = stream.push(&piece.iter().collect::<String>());
+            }
+            let _ = stream.finish();
+            let _ = format.parse(&text, &tools);
+        }
+        for start in [false, true] {
+            let mut split = mlex_generate::ReasoningSplit::new(start);
+            for piece in chars.chunks(step) {
+                let _ = split.push(&piece.iter().collect::<String>());
+            }
+            let _ = split.finish();
+        }
+    }
+}
 
 /// A TOML architecture file (`mlex --arch-file`, `$MLEX_ARCH_PATH`),
 /// parsed and checked against the registry (`mlex_models::build_registry`).

@@ -107,6 +107,11 @@ pub struct BatchStats {
     pub steps: usize,
     /// Most slots in use at once.
     pub peak_active: usize,
+    /// Host time finished constrained sequences spent computing grammar
+    /// masks.
+    pub mask_time: Duration,
+    /// Masks they computed (one per constrained token).
+    pub masks: usize,
 }
 
 struct Active {
@@ -762,6 +767,10 @@ impl<'g> BatchGenerator<'g> {
             };
             if let Some(finish) = finish {
                 let a = slot.take().expect("matched above");
+                if let Some(c) = &a.constraint {
+                    self.stats.mask_time += c.mask_time;
+                    self.stats.masks += c.masks;
+                }
                 if let Some(cache) = self.cache.as_mut() {
                     for c in cache.layers.iter_mut().flatten() {
                         c.free_row(r);

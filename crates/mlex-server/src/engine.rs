@@ -92,8 +92,8 @@ pub enum Event {
 
 /// Messages to the engine thread.
 pub enum Msg {
-    /// A new job.
-    Job(Job),
+    /// A new job (boxed: its options are large beside the other messages).
+    Job(Box<Job>),
     /// Finish what is in flight, take nothing new, then return.
     Drain,
     /// Stop everything now.
@@ -218,6 +218,7 @@ pub fn run(
         {
             match msg {
                 Msg::Job(job) => {
+                    let job = *job;
                     let (ids, in_reasoning) = match prompt_ids(tok, &job.prompt) {
                         Ok((ids, r)) if !ids.is_empty() => (ids, r),
                         Ok(_) => {

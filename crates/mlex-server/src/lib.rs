@@ -315,7 +315,7 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Body, kind: Kind) 
         grammar: prepared.grammar,
         events: tx,
     };
-    if s.jobs.send(Msg::Job(job)).is_err() {
+    if s.jobs.send(Msg::Job(Box::new(job))).is_err() {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
             "server_busy",

@@ -35,13 +35,25 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     let loaded = load_with(&a.model, registry)?;
     let vocab = loaded.model.vocab_size() as usize;
     let arch = loaded.model.arch.clone();
+    // With --json-schema every sequence is held to it and ends where it
+    // does (at the tokenizer's end tokens).
+    let constrained = match &a.json_schema {
+        Some(path) => Some(grammar_for(path, &loaded, vocab)?),
+        None => None,
+    };
     let mut g = crate::session::generator(loaded.model, &a.model);
     let prompt = prompt_ids(a.prompt_len, vocab);
     let opts = |n: usize| GenerateOptions {
         max_tokens: n,
         sampler: SamplerConfig::default(),
-        stop_ids: Default::default(),
+        stop_ids: constrained
+            .as_ref()
+            .map(|(_, _, stops)| stops.clone())
+            .unwrap_or_default(),
         use_prompt_cache: false,
+        constraint: constrained
+            .as_ref()
+            .map(|(engine, grammar, _)| engine.compile(grammar).expect("compiled once before")),
         ..Default::default()
     };
     if let Some(n) = a.batch {
@@ -291,6 +303,29 @@ fn run_verify_cost(a: &BenchArgs, g: &mut Generator, arch: &str, prompt: &[u32])
     Ok(())
 }
 
+/// The grammar engine, the schema of `--json-schema` (checked by
+/// compiling it once) and the end tokens.
+fn grammar_for(
+    path: &std::path::Path,
+    loaded: &mlex_models::load::LoadedModel,
+    vocab: usize,
+) -> Result<(
+    mlex_generate::Grammars,
+    mlex_generate::Grammar,
+    std::collections::BTreeSet<u32>,
+)> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let schema: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::invalid("--json-schema", format!("{}: {e}", path.display())))?;
+    let tok = crate::session::tokenizer_for(loaded)?;
+    let engine = mlex_generate::Grammars::new(&tok, vocab)?;
+    let grammar = mlex_generate::Grammar::JsonSchema(schema);
+    engine
+        .compile(&grammar)
+        .map_err(|e| Error::invalid("--json-schema", format!("{}: {e}", path.display())))?;
+    Ok((engine, grammar, tok.eos_ids.clone()))
+}
+
 /// One timed batch: `n` prompts of `--prompt-len` random ids, `--gen`
 /// greedy tokens each, all submitted at once.
 struct BatchRun {
@@ -301,6 +336,8 @@ struct BatchRun {
     prompt_tokens: usize,
     generated: usize,
     peak: usize,
+    mask_s: f64,
+    masks: usize,
 }
 
 fn batch_once(
@@ -336,6 +373,8 @@ fn batch_once(
         prompt_tokens: st.prefill_tokens,
         generated: st.generated_tokens,
         peak: mlex_core::device::peak_memory()?,
+        mask_s: st.mask_time.as_secs_f64(),
+        masks: st.masks,
     })
 }
 
@@ -383,6 +422,11 @@ fn run_batch(
         "decode_steps": r.steps,
         "device_wait_s": r.wait_s,
         "peak_memory_bytes": r.peak,
+        // With --json-schema: the host time grammar masks took.
+        "grammar": a.json_schema.as_ref().map(|p| json!({
+            "schema": p, "masks": r.masks, "mask_s": r.mask_s,
+            "mask_ms_per_token": 1e3 * r.mask_s / (r.masks.max(1) as f64),
+        })),
     });
     if a.format == Format::Json {
         println!("{out}");

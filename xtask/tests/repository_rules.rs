@@ -128,10 +128,6 @@ const LONG_FILES: &[(&str, &str)] = &[
         "crates/mlex-models/src/gguf/hybrid.rs",
         "GGUF name tables in Rust: to become data in the specs (issue 24)",
     ),
-    (
-        "crates/mlex-server/src/lib.rs",
-        "handlers and request parsing in one file: to be split",
-    ),
     ("crates/mlex-generate/src/batch.rs", "the batched engine"),
     (
         "crates/mlex-core/src/nn.rs",
@@ -152,7 +148,6 @@ const LONG_FNS: &[(&str, &str)] = &[
     ("crates/mlex-models/src/gguf/hybrid.rs::qwen", "GGUF as data (issue 24) replaces it"),
     ("crates/mlex-models/src/gguf/hybrid.rs::nemotron", "GGUF as data (issue 24) replaces it"),
     ("crates/mlex-models/src/gguf/mod.rs::load", "GGUF as data (issue 24) replaces it"),
-    ("crates/mlex-server/src/lib.rs::generate", "request validation, to be split"),
     ("crates/mlex-models/src/layers/attention.rs::build", "every attention variant's weights and checks in one place"),
     ("crates/mlex-server/src/engine.rs::run", "one text stream for every front end (issue 24)"),
     ("crates/mlex-cli/src/commands/batch.rs::run", "one text stream for every front end (issue 24)"),

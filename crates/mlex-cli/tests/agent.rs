@@ -172,6 +172,54 @@ fn reasoning_is_apart_from_the_answer_streamed_or_not() {
     assert_eq!(field("content"), content);
 }
 
+/// A call the model opens but never finishes (its text is scripted by
+/// biases, as above) comes back as text, not as an error.
+#[test]
+fn malformed_tool_call_text_comes_back_as_text() {
+    let s = tools_server(&[]);
+    for stream_it in [false, true] {
+        let req = json!({
+            "messages": ask(), "tools": weather_tools(), "max_tokens": 6, "temperature": 0,
+            "repetition_penalty": 1000.0, "logit_bias": {"151657": 100.0}, "stream": stream_it,
+        });
+        let (content, calls, finish) = if stream_it {
+            let evs = events(stream(&s, "/v1/chat/completions", None, &req));
+            let text: String = evs
+                .iter()
+                .filter_map(|e| {
+                    e["choices"].get(0)?["delta"]["content"]
+                        .as_str()
+                        .map(str::to_owned)
+                })
+                .collect();
+            let calls = evs
+                .iter()
+                .any(|e| !e["choices"][0]["delta"]["tool_calls"].is_null());
+            let last = evs
+                .iter()
+                .rev()
+                .find(|e| e["choices"].get(0).is_some())
+                .unwrap();
+            (text, calls, last["choices"][0]["finish_reason"].clone())
+        } else {
+            let (code, v) = post(&s, "/v1/chat/completions", None, &req);
+            assert_eq!(code, 200, "{v}");
+            let m = &v["choices"][0]["message"];
+            (
+                m["content"].as_str().unwrap().to_owned(),
+                !m["tool_calls"].is_null(),
+                v["choices"][0]["finish_reason"].clone(),
+            )
+        };
+        assert!(
+            content.starts_with("<tool_call>") && content.len() > 11,
+            "{content:?}"
+        );
+        assert!(!calls, "{content:?}");
+        assert_eq!(finish, "length");
+    }
+}
+
 #[test]
 fn answers_held_to_a_json_schema_parse_against_it() {
     let s = tools_server(&[]);
@@ -376,7 +424,7 @@ fn agent_requests_that_cannot_work_are_400s_naming_the_field() {
                 json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                 "schema": {"type": "object", "properties": {"a": {"type": "strng"}}}}}}),
             ),
-            "grammar engine",
+            "response_format.json_schema.schema",
         ),
         (
             with(json!({"response_format": {"type": "xml"}})),

@@ -154,6 +154,44 @@ struct Active {
 pub const FEED_MAX: usize = 4;
 
 impl Active {
+    /// A request's row, before its first token: `reused` prompt tokens came
+    /// from the prompt cache; the penalties' history is the prompt's tail.
+    fn new(
+        id: SeqId,
+        prompt: &[u32],
+        reused: usize,
+        opts: GenerateOptions,
+        sampler: Sampler,
+        context: usize,
+    ) -> Self {
+        let history = opts.sampler.uses_history().then(|| {
+            let ctx = opts.sampler.repetition_context.max(1);
+            let tail: Vec<i32> = prompt[prompt.len().saturating_sub(ctx)..]
+                .iter()
+                .map(|&t| t as i32)
+                .collect();
+            Array::from_slice(&tail, &[1, tail.len() as i32])
+        });
+        Active {
+            id,
+            prompt_len: prompt.len(),
+            reused,
+            max_tokens: opts.max_tokens,
+            stop_ids: opts.stop_ids,
+            sampler,
+            history,
+            constraint: opts.constraint,
+            logprobs: opts.logprobs,
+            next_lp: None,
+            fed_lp: None,
+            failed: None,
+            context,
+            out: Vec::new(),
+            prompt_rest: VecDeque::new(),
+            next_is_prompt: false,
+        }
+    }
+
     /// True when this row can use the batch-wide argmax.
     fn plain_greedy(&self) -> bool {
         self.sampler.config().is_plain_greedy()
@@ -502,36 +540,10 @@ impl<'g> BatchGenerator<'g> {
                     b.write_row(row, s.as_ref())?;
                 }
             }
-            let penalty = opts.sampler.uses_history();
-            let history = penalty.then(|| {
-                let ctx = opts.sampler.repetition_context.max(1);
-                let tail: Vec<i32> = prompt[prompt.len().saturating_sub(ctx)..]
-                    .iter()
-                    .map(|&t| t as i32)
-                    .collect();
-                Array::from_slice(&tail, &[1, tail.len() as i32])
-            });
             // With logits, the first output; without, the first prompt
             // token the cache does not cover.
             let mut prompt_rest: VecDeque<u32> = prompt[reused..].iter().copied().collect();
-            let mut active = Active {
-                id,
-                prompt_len: prompt.len(),
-                reused,
-                max_tokens: opts.max_tokens,
-                stop_ids: opts.stop_ids.clone(),
-                sampler,
-                history,
-                constraint: opts.constraint,
-                logprobs: opts.logprobs,
-                next_lp: None,
-                fed_lp: None,
-                failed: None,
-                context: limit,
-                out: Vec::new(),
-                prompt_rest: VecDeque::new(),
-                next_is_prompt: false,
-            };
+            let mut active = Active::new(id, &prompt, reused, opts, sampler, limit);
             let first = match &logits {
                 Some(l) => {
                     prompt_rest.clear();

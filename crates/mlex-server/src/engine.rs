@@ -31,8 +31,9 @@ pub struct Job {
     pub opts: GenerateOptions,
     /// Stop strings.
     pub stops: Vec<String>,
-    /// A grammar the output must match.
-    pub grammar: Option<Grammar>,
+    /// A grammar the output must match, and the request field it came
+    /// from (named when the grammar engine refuses it).
+    pub grammar: Option<(Grammar, &'static str)>,
     /// Where the events go.
     pub events: UnboundedSender<Event>,
 }
@@ -233,7 +234,7 @@ pub fn run(
                         }
                     };
                     let mut opts = job.opts;
-                    if let Some(g) = &job.grammar {
+                    if let Some((g, field)) = &job.grammar {
                         if grammars.is_none() {
                             match Grammars::new(tok, vocab) {
                                 Ok(g) => grammars = Some(g),
@@ -248,7 +249,7 @@ pub fn run(
                             Ok(c) => opts.constraint = Some(c),
                             Err(e) => {
                                 let _ = job.events.send(Event::Rejected(format!(
-                                    "the grammar engine refused the request's format: {e}"
+                                    "`{field}`: the grammar engine refused it: {e}"
                                 )));
                                 continue;
                             }

@@ -60,8 +60,8 @@ pub struct Prepared {
     pub opts: GenerateOptions,
     /// Stop strings.
     pub stops: Vec<String>,
-    /// The grammar of a constrained answer.
-    pub grammar: Option<Grammar>,
+    /// The grammar of a constrained answer, and the field it comes from.
+    pub grammar: Option<(Grammar, &'static str)>,
     /// The answer's shape.
     pub shape: Shape,
 }
@@ -182,11 +182,15 @@ fn options(
     ))
 }
 
-/// `response_format` as a grammar (`text`: none).
-fn format_grammar(f: &ResponseFormat) -> Checked<Option<Grammar>> {
+/// `response_format` as a grammar (`text`: none), with the field it comes
+/// from.
+fn format_grammar(f: &ResponseFormat) -> Checked<Option<(Grammar, &'static str)>> {
     match f.kind.as_str() {
         "text" => Ok(None),
-        "json_object" => Ok(Some(Grammar::JsonSchema(json!({"type": "object"})))),
+        "json_object" => Ok(Some((
+            Grammar::JsonSchema(json!({"type": "object"})),
+            "response_format",
+        ))),
         "json_schema" => {
             let js = f.json_schema.as_ref().ok_or_else(|| {
                 Refusal::bad("`response_format.json_schema`: required with `type` `json_schema`")
@@ -197,7 +201,10 @@ fn format_grammar(f: &ResponseFormat) -> Checked<Option<Grammar>> {
                     "`response_format.json_schema.schema`: must be a JSON schema object",
                 ));
             }
-            Ok(Some(Grammar::JsonSchema(schema)))
+            Ok(Some((
+                Grammar::JsonSchema(schema),
+                "response_format.json_schema.schema",
+            )))
         }
         other => Err(Refusal::bad(format!(
             "`response_format.type`: `{other}` is not one of text, json_object, json_schema"
@@ -462,7 +469,10 @@ pub fn chat(s: &AppState, r: ChatRequest) -> Checked<Prepared> {
                     ));
                 }
                 let offered = named.map(|d| vec![d]).unwrap_or_else(|| defs.clone());
-                grammar = Some(Grammar::Lark(format.call_grammar(&offered, parallel)));
+                grammar = Some((
+                    Grammar::Lark(format.call_grammar(&offered, parallel)),
+                    "tools",
+                ));
             }
             render.tools = Some(Value::Array(list.clone()));
             parsing = Some(ToolParsing {

@@ -291,6 +291,66 @@ pub async fn whole(
     }
 }
 
+/// The streamed chunks' choices, as the answer's pieces come.
+struct Chunks {
+    kind: Kind,
+    /// Calls sent so far (the next one's index).
+    calls: usize,
+    /// Bytes of a completion's text sent so far.
+    offset: usize,
+}
+
+impl Chunks {
+    /// The choices of one token's pieces (content, reasoning, a call), its
+    /// log-probability on the first.
+    fn of(&mut self, deltas: Vec<Delta>, mut lp: Option<LogprobOut>) -> Vec<Value> {
+        if self.kind == Kind::Completion {
+            let text: String = deltas
+                .into_iter()
+                .map(|d| match d {
+                    Delta::Content(t) | Delta::Reasoning(t) => t,
+                    Delta::Call(_) => String::new(),
+                })
+                .collect();
+            let logprobs = match lp.take() {
+                Some(l) => completion_logprobs(std::slice::from_ref(&l), self.offset),
+                None => Value::Null,
+            };
+            self.offset += text.len();
+            if text.is_empty() && logprobs.is_null() {
+                return Vec::new();
+            }
+            return vec![
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": null}),
+            ];
+        }
+        let mut deltas: Vec<Value> = deltas
+            .into_iter()
+            .map(|d| match d {
+                Delta::Reasoning(t) => json!({"reasoning_content": t}),
+                Delta::Content(t) => json!({"content": t}),
+                Delta::Call(c) => {
+                    self.calls += 1;
+                    json!({"tool_calls": [call_json(&c, Some(self.calls - 1))]})
+                }
+            })
+            .collect();
+        if deltas.is_empty() && lp.is_some() {
+            deltas.push(json!({}));
+        }
+        deltas
+            .into_iter()
+            .map(|d| {
+                let logprobs = match lp.take() {
+                    Some(l) => json!({"content": [chat_logprob(&l)]}),
+                    None => Value::Null,
+                };
+                json!({"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": null})
+            })
+            .collect()
+    }
+}
+
 /// The answer as server-sent events.
 pub fn streamed(
     h: Header,
@@ -313,55 +373,10 @@ pub fn streamed(
             )
         };
         let mut shaper = Shaper::new(&shape, in_reasoning);
-        let mut calls = 0usize;
-        let mut offset = 0usize;
-        // The chunks of one token's text (a content piece, a reasoning
-        // piece, a call), its log-probability on the first.
-        let mut chunks = |deltas: Vec<Delta>, lp: Option<LogprobOut>, calls: &mut usize| {
-            let mut frames = Vec::new();
-            let mut lp = lp;
-            if shape.kind == Kind::Completion {
-                let text: String = deltas
-                    .into_iter()
-                    .map(|d| match d {
-                        Delta::Content(t) | Delta::Reasoning(t) => t,
-                        Delta::Call(_) => String::new(),
-                    })
-                    .collect();
-                let logprobs = match lp.take() {
-                    Some(l) => completion_logprobs(std::slice::from_ref(&l), offset),
-                    None => Value::Null,
-                };
-                offset += text.len();
-                if !text.is_empty() || !logprobs.is_null() {
-                    frames.push(frame(json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": null})));
-                }
-                return frames;
-            }
-            let mut deltas: Vec<Value> = deltas
-                .into_iter()
-                .map(|d| match d {
-                    Delta::Reasoning(t) => json!({"reasoning_content": t}),
-                    Delta::Content(t) => json!({"content": t}),
-                    Delta::Call(c) => {
-                        *calls += 1;
-                        json!({"tool_calls": [call_json(&c, Some(*calls - 1))]})
-                    }
-                })
-                .collect();
-            if deltas.is_empty() && lp.is_some() {
-                deltas.push(json!({}));
-            }
-            for d in deltas {
-                let logprobs = match lp.take() {
-                    Some(l) => json!({"content": [chat_logprob(&l)]}),
-                    None => Value::Null,
-                };
-                frames.push(frame(
-                    json!({"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": null}),
-                ));
-            }
-            frames
+        let mut chunks = Chunks {
+            kind: shape.kind,
+            calls: 0,
+            offset: 0,
         };
         if shape.kind == Kind::Chat
             && out
@@ -380,8 +395,8 @@ pub fn streamed(
                     } else {
                         vec![Delta::Content(text)]
                     };
-                    for f in chunks(deltas, logprob, &mut calls) {
-                        if out.send(Ok(f)).await.is_err() {
+                    for c in chunks.of(deltas, logprob) {
+                        if out.send(Ok(frame(c))).await.is_err() {
                             return; // Client gone: dropping `rx` stops the sequence.
                         }
                     }
@@ -397,10 +412,10 @@ pub fn streamed(
                     } else {
                         Vec::new()
                     };
-                    for f in chunks(rest, None, &mut calls) {
-                        let _ = out.send(Ok(f)).await;
+                    for c in chunks.of(rest, None) {
+                        let _ = out.send(Ok(frame(c))).await;
                     }
-                    let finish = reason(finish, calls);
+                    let finish = reason(finish, chunks.calls);
                     let last = match shape.kind {
                         Kind::Chat => {
                             json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish})

@@ -84,57 +84,8 @@ pub fn run(a: ConvertArgs, registry: &Registry) -> Result<()> {
     let tokenizer = tokenizer_for(&loaded).ok();
     let arch = registry.architecture(&loaded.model.arch)?;
     let source = loaded.source.clone();
-    let mut model = loaded.model;
-    if a.dequantize {
-        // Dequantized matrices take their scales' dtype, as in mlx-lm.
-        let to = model
-            .params
-            .iter()
-            .find(|(n, _)| n.ends_with(".scales"))
-            .map(|(_, s)| s.dtype())
-            .unwrap_or(model.dtype);
-        match mlex_models::quantize::dequantize(&model, arch.as_ref(), registry, to)? {
-            Some(m) => model = m,
-            None => eprintln!(
-                "mlex convert: {} is not quantized; nothing to dequantize",
-                a.model
-            ),
-        }
-    }
-    if let Some(d) = a.dtype {
-        model = cast(&model, arch.as_ref(), registry, dtype(d))?;
-    }
-    if a.quantize.is_some() || a.quant_recipe.is_some() {
-        if !model.quantization.is_none() {
-            return Err(Error::invalid(
-                "--quantize",
-                format!(
-                    "{} is already quantized (add --dequantize to requantize it)",
-                    a.model
-                ),
-            ));
-        }
-        let spec = QuantSpec {
-            group_size: a.group_size,
-            bits: a.quantize.unwrap_or(4),
-        };
-        model = mlex_models::quantize::quantize_with(
-            &model,
-            arch.as_ref(),
-            registry,
-            &spec,
-            a.quant_recipe.map(recipe),
-        )
-        .map_err(|e| match e {
-            Error::Config { message, .. } if message.contains("group_size") => {
-                Error::invalid("--group-size", message)
-            }
-            Error::Config { message, .. } if message.contains("bits") => {
-                Error::invalid("--quantize", message)
-            }
-            e => e,
-        })?;
-    }
+    let model = loaded.model;
+    let model = transform(&a, model, arch.as_ref(), registry)?;
     let partial = a.out.with_file_name(format!(
         ".{}.partial-{}",
         a.out
@@ -188,6 +139,67 @@ pub fn run(a: ConvertArgs, registry: &Registry) -> Result<()> {
         ),
     }
     Ok(())
+}
+
+/// The model dequantized, cast and quantized as the options ask, in that
+/// order.
+fn transform(
+    a: &ConvertArgs,
+    mut model: mlex_core::model::Model,
+    arch: &dyn mlex_core::arch::Architecture,
+    registry: &Registry,
+) -> Result<mlex_core::model::Model> {
+    if a.dequantize {
+        // Dequantized matrices take their scales' dtype, as in mlx-lm.
+        let to = model
+            .params
+            .iter()
+            .find(|(n, _)| n.ends_with(".scales"))
+            .map(|(_, s)| s.dtype())
+            .unwrap_or(model.dtype);
+        match mlex_models::quantize::dequantize(&model, arch, registry, to)? {
+            Some(m) => model = m,
+            None => eprintln!(
+                "mlex convert: {} is not quantized; nothing to dequantize",
+                a.model
+            ),
+        }
+    }
+    if let Some(d) = a.dtype {
+        model = cast(&model, arch, registry, dtype(d))?;
+    }
+    if a.quantize.is_some() || a.quant_recipe.is_some() {
+        if !model.quantization.is_none() {
+            return Err(Error::invalid(
+                "--quantize",
+                format!(
+                    "{} is already quantized (add --dequantize to requantize it)",
+                    a.model
+                ),
+            ));
+        }
+        let spec = QuantSpec {
+            group_size: a.group_size,
+            bits: a.quantize.unwrap_or(4),
+        };
+        model = mlex_models::quantize::quantize_with(
+            &model,
+            arch,
+            registry,
+            &spec,
+            a.quant_recipe.map(recipe),
+        )
+        .map_err(|e| match e {
+            Error::Config { message, .. } if message.contains("group_size") => {
+                Error::invalid("--group-size", message)
+            }
+            Error::Config { message, .. } if message.contains("bits") => {
+                Error::invalid("--quantize", message)
+            }
+            e => e,
+        })?;
+    }
+    Ok(model)
 }
 
 /// The model with every floating parameter (but those of [`KEEP_DTYPE`])

@@ -9,8 +9,12 @@
 # tokenizer_config.json), the mlx-cuda-pack archive in .mlx-cuda/, the mlx
 # and mlx-lm wheels in .whl/.
 #
-#   bash xtask/gpu/run.sh grammar PAIRS BATCHES
-PAIRS=${1:-3}; BATCHES=${2:-1,8}
+# REPEATS (default 1) is `mlex bench --repeats`: the best of that many timed
+# runs after the warm-up, so that segments traced for the smaller buckets a
+# batch shrinks to (rows that end early) are not timed.
+#
+#   bash xtask/gpu/run.sh grammar PAIRS BATCHES [REPEATS]
+PAIRS=${1:-3}; BATCHES=${2:-1,8}; REPEATS=${3:-1}
 wheels
 $M env | head -3
 models qwen3-0.6b
@@ -22,7 +26,7 @@ for r in $(seq "$PAIRS"); do
   for b in ${BATCHES//,/ }; do
     for s in plain schema-array-100 schema-object; do
       extra=(); [ $s != plain ] && extra=(--json-schema $S/$s.json)
-      timeout 120 $M bench --model $m --batch $b --prompt-len 128 --gen 128 "${extra[@]}" --format json 2>/dev/null |
+      timeout 120 $M bench --model $m --batch $b --prompt-len 128 --gen 128 --repeats "$REPEATS" "${extra[@]}" --format json 2>/dev/null |
         python3 -c "import json,sys; v=json.load(sys.stdin); v.update(round=$r, schema='$s'); print(json.dumps(v))" >> "$O/grammar.jsonl"
     done
   done

@@ -49,6 +49,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from typing import Callable, Optional
 import gguf
 import gguf_hybrid
 import mix_ref
+import mtp_ref
 import tool_fixture
 import jinja2
 import mlx.core as mx
@@ -1941,6 +1943,27 @@ def all_fixtures(smollm2_gguf: Optional[Path], qwen3_tokenizer: Optional[Path] =
         for v, fam in gguf_hybrid.VARIANTS.items()
     ]
     fixtures.append(Fixture("hybrid_mix-f32", lambda out: [make_mix_fixture(out)]))
+    helpers = types.SimpleNamespace(
+        random_parameters=random_parameters,
+        seed_for=seed_for,
+        reset_dir=reset_dir,
+        write_reference=write_reference,
+        summarize=summarize,
+        manifest_entry=manifest_entry,
+        reference_facts=reference_facts,
+        load_weight_files=load_weight_files,
+    )
+    for name, twin, to_hf, arch in [
+        ("qwen3_next-mtp-hf", "qwen3_next-moe-f32", hf_qwen3_next, "Qwen3NextForCausalLM"),
+        ("qwen3_5-mtp-hf", "qwen3_5-f32", hf_qwen3_5, "Qwen3_5ForConditionalGeneration"),
+    ]:
+        fixtures.append(
+            Fixture(
+                name,
+                lambda out, n=name, t=twin, f=to_hf, a=arch: [mtp_ref.make_mtp_fixture(out, n, t, f, a, helpers)],
+                [twin],
+            )
+        )
     if smollm2_gguf is not None:
         fixtures.append(Fixture("smollm2-export", lambda out: make_smollm2_fixtures(out, smollm2_gguf)))
         fixtures.append(Fixture("qwen3-chat", lambda out: make_chat_fixture(out, smollm2_gguf)))

@@ -46,6 +46,7 @@ pub fn fixtures() -> Result<PathBuf> {
         "fixtures.py",
         "gguf_hybrid.py",
         "mix_ref.py",
+        "mtp_ref.py",
         "tool_fixture.py",
         "dhara_ref.py",
         "requirements.txt",

@@ -163,13 +163,8 @@ fn reasoning_is_apart_from_the_answer_streamed_or_not() {
     let mut sreq = req.clone();
     sreq["stream"] = json!(true);
     let evs = events(stream(&s, "/v1/chat/completions", None, &sreq));
-    let field = |k: &str| -> String {
-        evs.iter()
-            .filter_map(|e| e["choices"].get(0)?["delta"][k].as_str().map(str::to_owned))
-            .collect()
-    };
-    assert_eq!(field("reasoning_content"), "Because");
-    assert_eq!(field("content"), content);
+    assert_eq!(delta_text(&evs, "reasoning_content"), "Because");
+    assert_eq!(delta_text(&evs, "content"), content);
 }
 
 /// A call the model opens but never finishes (its text is scripted by
@@ -184,14 +179,7 @@ fn malformed_tool_call_text_comes_back_as_text() {
         });
         let (content, calls, finish) = if stream_it {
             let evs = events(stream(&s, "/v1/chat/completions", None, &req));
-            let text: String = evs
-                .iter()
-                .filter_map(|e| {
-                    e["choices"].get(0)?["delta"]["content"]
-                        .as_str()
-                        .map(str::to_owned)
-                })
-                .collect();
+            let text = delta_text(&evs, "content");
             let calls = evs
                 .iter()
                 .any(|e| !e["choices"][0]["delta"]["tool_calls"].is_null());
@@ -244,10 +232,7 @@ fn answers_held_to_a_json_schema_parse_against_it() {
             let req = json!({"messages": ask(), "response_format": format, "temperature": 0,
                                  "max_tokens": 400, "stream": stream_it});
             let text: String = if stream_it {
-                events(stream(&s, "/v1/chat/completions", None, &req))
-                    .iter()
-                    .filter_map(|e| e["choices"].get(0)?["delta"]["content"].as_str().map(str::to_owned))
-                    .collect()
+                delta_text(&events(stream(&s, "/v1/chat/completions", None, &req)), "content")
             } else {
                 let (code, v) = post(&s, "/v1/chat/completions", None, &req);
                 assert_eq!(code, 200, "{v}");

@@ -61,14 +61,7 @@ fn chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx() {
     sreq["stream"] = json!(true);
     sreq["stream_options"] = json!({"include_usage": true});
     let evs = events(stream(&s, "/v1/chat/completions", Some("k"), &sreq));
-    let text: String = evs
-        .iter()
-        .filter_map(|e| {
-            e["choices"].get(0)?["delta"]["content"]
-                .as_str()
-                .map(str::to_owned)
-        })
-        .collect();
+    let text = delta_text(&evs, "content");
     assert_eq!(text, content);
     assert_eq!(evs[0]["choices"][0]["delta"]["role"], "assistant");
     let last_choice = evs

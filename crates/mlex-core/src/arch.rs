@@ -38,6 +38,19 @@ pub enum HeadPlan {
     Linear(String),
 }
 
+/// A multi-token-prediction head (Qwen3-Next, Qwen3.5): weights
+/// `{prefix}.fc` (`[D, 2D]`), `{prefix}.pre_fc_norm_embedding`,
+/// `{prefix}.pre_fc_norm_hidden`, `{prefix}.norm`, and `layers` (copies of
+/// one trunk layer's plan under `{prefix}.layers.{i}`); the embedding and
+/// the output head are the trunk's.
+#[derive(Clone, Debug)]
+pub struct MtpPlan {
+    /// Weight prefix, e.g. `mtp`.
+    pub prefix: String,
+    /// Its decoder layers.
+    pub layers: Vec<LayerPlan>,
+}
+
 /// The whole model, as the layer builder sees it.
 #[derive(Clone, Debug)]
 pub struct ModelPlan {
@@ -65,6 +78,9 @@ pub struct ModelPlan {
     pub logits_scaling: Option<f32>,
     /// The longest context the model supports, if the config says.
     pub max_context: Option<usize>,
+    /// A multi-token-prediction head the checkpoint may hold (built only
+    /// when asked for: [`crate::model::Model::build_with`]).
+    pub mtp: Option<MtpPlan>,
 }
 
 /// One `model_type`.

@@ -23,6 +23,7 @@ pub mod dispatch;
 pub mod error;
 pub mod layer;
 pub mod model;
+pub mod mtp;
 pub mod nn;
 pub mod params;
 pub mod quant;

@@ -56,7 +56,20 @@ impl OutputHead {
 
     /// Hidden states → logits.
     pub fn forward(&self, p: &Params, x: &Array) -> Result<Array> {
+        self.project(p, &self.norm.forward(p, x)?)
+    }
+
+    /// Hidden states → (logits, the states after the final norm: what a
+    /// multi-token-prediction head reads).
+    pub fn forward_with_normed(&self, p: &Params, x: &Array) -> Result<(Array, Array)> {
         let h = self.norm.forward(p, x)?;
+        Ok((self.project(p, &h)?, h))
+    }
+
+    /// States after the final norm → logits (projection, scaling,
+    /// soft-cap).
+    pub fn project(&self, p: &Params, h: &Array) -> Result<Array> {
+        let h = h.clone();
         let mut out = match &self.head {
             Head::Tied(e) => e.as_linear(p, &h)?,
             Head::Linear(l) => l.forward(p, &h)?,
@@ -105,6 +118,8 @@ pub struct Model {
     /// The backend policy it was built with (and that decode and prefill
     /// follow).
     pub dispatch: Dispatch,
+    /// The multi-token-prediction head, when loaded ([`Model::build_with`]).
+    pub mtp: Option<crate::mtp::MtpHead>,
 }
 
 /// The caches of a whole model: one list per layer.
@@ -324,18 +339,60 @@ pub fn scatter_state(caches: &mut [Box<dyn Cache>], state: Vec<Array>) -> Result
 
 impl Model {
     /// Builds a model: the architecture's config lifting, sanitize and plan,
-    /// then every layer from its registered kind; loading is strict.
+    /// then every layer from its registered kind; loading is strict. A
+    /// multi-token-prediction head the checkpoint holds is left out.
     pub fn build(
+        arch: &dyn Architecture,
+        raw_config: &ModelConfig,
+        weights: WeightMap,
+        registry: &Registry,
+        dispatch: &Dispatch,
+    ) -> Result<Model> {
+        Self::build_with(arch, raw_config, weights, registry, dispatch, false)
+    }
+
+    /// [`Model::build`], with the multi-token-prediction head when `mtp`
+    /// (an error naming `--mtp` when the architecture has none or the
+    /// checkpoint holds none of its weights).
+    pub fn build_with(
         arch: &dyn Architecture,
         raw_config: &ModelConfig,
         mut weights: WeightMap,
         registry: &Registry,
         dispatch: &Dispatch,
+        mtp: bool,
     ) -> Result<Model> {
         let config = arch.text_config(raw_config)?;
         let quantization = Quantization::from_config(raw_config)?;
         arch.sanitize(raw_config, &mut weights)?;
         let plan = arch.plan(&config)?;
+        if let Some(m) = plan.mtp.as_ref().filter(|_| !mtp) {
+            let p = format!("{}.", m.prefix);
+            weights.rename_all(|n| (!n.starts_with(&p)).then(|| n.to_owned()))?;
+        }
+        if mtp {
+            let file = raw_config.file().display();
+            let m = plan.mtp.as_ref().filter(|m| !m.layers.is_empty()).ok_or_else(|| {
+                Error::invalid(
+                    "--mtp",
+                    format!(
+                        "{file}: this `{}` model has no multi-token-prediction head (its architecture \
+                         has none, or its config sets no MTP layers)",
+                        arch.name()
+                    ),
+                )
+            })?;
+            if !weights.contains(&format!("{}.fc.weight", m.prefix)) {
+                return Err(Error::invalid(
+                    "--mtp",
+                    format!(
+                        "{file} holds no multi-token-prediction weights (`{}.fc.weight` and the \
+                         rest); mlx-lm's conversions drop them: use the Hugging Face checkpoint",
+                        m.prefix
+                    ),
+                ));
+            }
+        }
         Self::build_from_plan(
             arch.name(),
             config,
@@ -408,6 +465,18 @@ impl Model {
                 false,
             )?),
         };
+        let mtp = match &plan.mtp {
+            Some(m) if !m.layers.is_empty() && ld.has(&format!("{}.fc.weight", m.prefix)) => {
+                Some(crate::mtp::MtpHead::build(
+                    m,
+                    &mut ld,
+                    &config,
+                    registry,
+                    (plan.hidden_size, plan.norm_eps, plan.norm_type),
+                )?)
+            }
+            _ => None,
+        };
         let params = ld.finish()?;
         let dtype = embed.dtype(&params.view())?;
         Ok(Model {
@@ -426,6 +495,7 @@ impl Model {
             max_context: plan.max_context,
             quantization,
             dispatch: dispatch.clone(),
+            mtp,
         })
     }
 

@@ -324,6 +324,17 @@ pub fn load(spec: &str, registry: &Registry) -> Result<LoadedModel> {
 
 /// [`load`] with the backend policy `dispatch` (the command line's).
 pub fn load_with(spec: &str, registry: &Registry, dispatch: &Dispatch) -> Result<LoadedModel> {
+    load_with_mtp(spec, registry, dispatch, false)
+}
+
+/// [`load_with`], with the checkpoint's multi-token-prediction head when
+/// `mtp` (`--mtp`; an error naming it when there is none).
+pub fn load_with_mtp(
+    spec: &str,
+    registry: &Registry,
+    dispatch: &Dispatch,
+    mtp: bool,
+) -> Result<LoadedModel> {
     let (source, origin) = resolve(spec)?;
     let (config, weights, gguf_tokenizer, gguf_tensor_types) = match &source {
         ModelSource::Dir(dir) => {
@@ -354,7 +365,7 @@ pub fn load_with(spec: &str, registry: &Registry, dispatch: &Dispatch) -> Result
     let arch = registry
         .architecture(config.model_type()?)
         .map_err(|e| with_file(e, config.file()))?;
-    let model = Model::build(arch.as_ref(), &config, weights, registry, dispatch)?;
+    let model = Model::build_with(arch.as_ref(), &config, weights, registry, dispatch, mtp)?;
     let fingerprint = fingerprint(&model)?;
     Ok(LoadedModel {
         model,

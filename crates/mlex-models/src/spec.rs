@@ -36,7 +36,7 @@
 //! `[kinds]` is the parameter `name`; an option whose parameter is absent
 //! (optional, or gated off) is left out, so the default applies.
 
-use mlex_core::arch::{Architecture, HeadPlan, LayerPlan, ModelPlan};
+use mlex_core::arch::{Architecture, HeadPlan, LayerPlan, ModelPlan, MtpPlan};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
@@ -100,6 +100,23 @@ pub struct ArchSpec {
     /// Weight translation, in order.
     #[serde(default)]
     pub sanitize: Vec<SanitizeStep>,
+    /// A multi-token-prediction head.
+    #[serde(default)]
+    pub mtp: Option<MtpSpec>,
+}
+
+/// `[mtp]`: the multi-token-prediction head a checkpoint may carry
+/// (Qwen3-Next, Qwen3.5): `{prefix}.fc`, `{prefix}.pre_fc_norm_embedding`,
+/// `{prefix}.pre_fc_norm_hidden`, `{prefix}.layers.{i}`, `{prefix}.norm`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MtpSpec {
+    /// How many MTP layers (`"$param"`); none when 0.
+    pub count: toml::Value,
+    /// The head's weight prefix (after sanitize).
+    pub prefix: String,
+    /// The trunk layer name whose block every MTP layer is (`attention`).
+    pub layer: String,
 }
 
 /// Another `model_type` a spec serves.
@@ -1345,6 +1362,42 @@ impl SpecArchitecture {
     }
 }
 
+impl SpecArchitecture {
+    /// The MTP head's plan: `count` copies of the first trunk layer named
+    /// `[mtp].layer`, under `{prefix}.layers.{i}` (none when the config
+    /// sets no MTP layers: the prefix still names what to leave out).
+    fn mtp_plan(&self, r: &Resolved<'_>, layers: &[LayerPlan]) -> Result<Option<MtpPlan>> {
+        let Some(m) = &self.spec.mtp else {
+            return Ok(None);
+        };
+        let count = match r.value(&m.count) {
+            Some(_) => r.at_least(&m.count, "mtp.count", 0)?,
+            None => 0,
+        };
+        if count == 0 {
+            return Ok(Some(MtpPlan {
+                prefix: m.prefix.clone(),
+                layers: Vec::new(),
+            }));
+        }
+        let like = layers.iter().find(|l| l.name == m.layer).ok_or_else(|| {
+            Error::Other(format!(
+                "`{}`: [mtp] layer `{}` is none of this model's layers",
+                self.spec.model_type, m.layer
+            ))
+        })?;
+        Ok(Some(MtpPlan {
+            prefix: m.prefix.clone(),
+            layers: (0..count)
+                .map(|i| LayerPlan {
+                    prefix: format!("{}.layers.{i}", m.prefix),
+                    ..like.clone()
+                })
+                .collect(),
+        }))
+    }
+}
+
 impl Architecture for SpecArchitecture {
     fn name(&self) -> &str {
         &self.model_type
@@ -1496,6 +1549,7 @@ impl Architecture for SpecArchitecture {
             }
             Ok(Some(x as f32))
         };
+        let mtp = self.mtp_plan(&r, &layers)?;
         let softcap = match &m.logit_softcap {
             Some(v) => r.value(v).and_then(|x| x.as_f64()).filter(|c| *c > 0.0),
             None => None,
@@ -1520,6 +1574,7 @@ impl Architecture for SpecArchitecture {
                 Some(v) => r.value(v).and_then(|x| x.as_u64()).map(|n| n as usize),
                 None => None,
             },
+            mtp,
         })
     }
     fn sanitize(&self, config: &ModelConfig, weights: &mut WeightMap) -> Result<()> {

@@ -182,6 +182,15 @@ fn options(
     ))
 }
 
+/// A request's `response_format` as a grammar, if it asks for one.
+fn response_grammar(c: &Common) -> Checked<Option<(Grammar, &'static str)>> {
+    Ok(c.response_format
+        .as_ref()
+        .map(format_grammar)
+        .transpose()?
+        .flatten())
+}
+
 /// `response_format` as a grammar (`text`: none), with the field it comes
 /// from.
 fn format_grammar(f: &ResponseFormat) -> Checked<Option<(Grammar, &'static str)>> {
@@ -413,13 +422,7 @@ pub fn chat(s: &AppState, r: ChatRequest) -> Checked<Prepared> {
     let tools = r.tools.clone().filter(|t| !t.is_empty());
     let mut render = RenderOptions::default();
     let mut parsing = None;
-    let mut grammar = r
-        .common
-        .response_format
-        .as_ref()
-        .map(format_grammar)
-        .transpose()?
-        .flatten();
+    let mut grammar = response_grammar(&r.common)?;
     if let Some(list) = &tools {
         let defs = tool_defs(list)?;
         let choice = r
@@ -521,13 +524,7 @@ pub fn completion(s: &AppState, r: CompletionRequest) -> Checked<Prepared> {
         )));
     }
     opts.logprobs = r.logprobs;
-    let grammar = r
-        .common
-        .response_format
-        .as_ref()
-        .map(format_grammar)
-        .transpose()?
-        .flatten();
+    let grammar = response_grammar(&r.common)?;
     Ok(Prepared {
         prompt: Prompt::Text(r.prompt),
         opts,

@@ -32,6 +32,10 @@ pub struct Fixture {
     /// the fixture's `model_type` needs: one no built-in serves.
     #[serde(default)]
     pub arch_dir: Option<String>,
+    /// The reference of the checkpoint's multi-token-prediction head
+    /// (`xtask/py/mtp_ref.py`), when it has one.
+    #[serde(default)]
+    pub mtp_reference: Option<String>,
 }
 
 impl Fixture {

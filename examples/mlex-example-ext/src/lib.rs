@@ -145,6 +145,7 @@ impl Architecture for ToyExt {
             embedding_multiplier: None,
             logits_scaling: None,
             max_context: None,
+            mtp: None,
         })
     }
 }

@@ -168,6 +168,18 @@ pub fn events(mut r: impl BufRead) -> Vec<Value> {
     }
 }
 
+/// The text of one `delta` field (`content`, `reasoning_content`) across
+/// a stream's chunks.
+pub fn delta_text(evs: &[Value], field: &str) -> String {
+    evs.iter()
+        .filter_map(|e| {
+            e["choices"].get(0)?["delta"][field]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
 /// Runs one of the repository's Python scripts with the reference venv's
 /// Python (which has the `openai` client); panics with its output unless it
 /// exits 0.

@@ -299,8 +299,12 @@ pub struct SpeculativeArgs {
     pub draft_model: Option<String>,
     /// Draft by prompt lookup: n-grams of the prompt and the text so far
     /// (no second model); stands down while acceptance stays low.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "mtp")]
     pub lookup: bool,
+    /// Draft with the checkpoint's own multi-token-prediction head
+    /// (Qwen3-Next, Qwen3.5: `mtp.*` in a Hugging Face checkpoint).
+    #[arg(long, conflicts_with = "draft_model")]
+    pub mtp: bool,
     /// Most tokens drafted per step (1..=16).
     #[arg(long, value_name = "K", default_value_t = 3)]
     pub draft_tokens: usize,

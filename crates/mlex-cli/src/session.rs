@@ -23,6 +23,16 @@ pub fn dispatch(m: Option<&ModelArgs>) -> Result<Dispatch> {
 /// Loads the model at `spec` under `dispatch`, materialising its weights
 /// behind a progress bar (shown on a terminal only).
 pub fn load_model(spec: &str, registry: &Registry, dispatch: &Dispatch) -> Result<LoadedModel> {
+    load_model_mtp(spec, registry, dispatch, false)
+}
+
+/// [`load_model`], with the multi-token-prediction head when `mtp`.
+fn load_model_mtp(
+    spec: &str,
+    registry: &Registry,
+    dispatch: &Dispatch,
+    mtp: bool,
+) -> Result<LoadedModel> {
     let show = std::io::stderr().is_terminal();
     let spinner = show.then(|| {
         let pb = ProgressBar::new_spinner();
@@ -30,7 +40,7 @@ pub fn load_model(spec: &str, registry: &Registry, dispatch: &Dispatch) -> Resul
         pb.enable_steady_tick(std::time::Duration::from_millis(120));
         pb
     });
-    let loaded = mlex_models::load::load_with(spec, registry, dispatch);
+    let loaded = mlex_models::load::load_with_mtp(spec, registry, dispatch, mtp);
     if let Some(pb) = spinner {
         pb.finish_and_clear();
     }
@@ -59,7 +69,18 @@ pub fn load_model(spec: &str, registry: &Registry, dispatch: &Dispatch) -> Resul
 
 /// Loads the model of `m` and quantizes it when `--quantize` asks.
 pub fn load_with(m: &ModelArgs, registry: &Registry) -> Result<LoadedModel> {
-    let mut loaded = load_model(&m.model, registry, &dispatch(Some(m))?)?;
+    load_for(m, None, registry)
+}
+
+/// [`load_with`] for a command that may decode speculatively: with the
+/// multi-token-prediction head when `s` asks for `--mtp`.
+pub fn load_for(
+    m: &ModelArgs,
+    s: Option<&crate::args::SpeculativeArgs>,
+    registry: &Registry,
+) -> Result<LoadedModel> {
+    let mtp = s.is_some_and(|s| s.mtp);
+    let mut loaded = load_model_mtp(&m.model, registry, &dispatch(Some(m))?, mtp)?;
     if let Some(bits) = m.quantize {
         let arch = registry.architecture(&loaded.model.arch)?;
         loaded.model = mlex_models::quantize::quantize(
@@ -238,6 +259,8 @@ pub fn speculative(
         )?)
     } else if s.lookup {
         Box::new(mlex_generate::PromptLookup::default())
+    } else if s.mtp {
+        Box::new(mlex_generate::MtpDrafter::new())
     } else {
         return Ok(());
     };

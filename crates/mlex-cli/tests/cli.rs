@@ -1714,6 +1714,56 @@ fn speculative_options_reject_bad_values_naming_them() {
     );
 }
 
+/// `--mtp`: the checkpoint's own head drafts, the output is the plain
+/// output; a checkpoint without a head, the prompt cache or a batch say so.
+#[test]
+fn mtp_drafts_with_the_checkpoints_head_and_bad_uses_name_it() {
+    let m = fixture_path("qwen3_5-mtp-hf");
+    let gen = |model: &std::path::Path, extra: &[&str]| {
+        mlex()
+            .arg("generate")
+            .arg("--model")
+            .arg(model)
+            .args([
+                "--prompt-ids",
+                "5,6,7,8,9,10,11,12",
+                "--max-tokens",
+                "16",
+                "--format",
+                "json",
+            ])
+            .args(extra)
+            .assert()
+    };
+    let plain = last_json(&gen(&m, &[]).success().get_output().stdout.clone());
+    let spec = last_json(
+        &gen(&m, &["--mtp", "--draft-tokens", "2"])
+            .success()
+            .get_output()
+            .stdout
+            .clone(),
+    );
+    assert_eq!(spec["token_ids"], plain["token_ids"]);
+    assert_eq!(spec["speculative"]["drafter"], "mtp");
+    assert!(
+        spec["speculative"]["rounds"].as_u64().unwrap() > 0,
+        "{spec}"
+    );
+    let stderr = |a: assert_cmd::assert::Assert| {
+        String::from_utf8_lossy(&a.failure().get_output().stderr).into_owned()
+    };
+    let e = stderr(gen(&fixture_path("qwen3_5-f32"), &["--mtp"]));
+    assert!(e.contains("--mtp") && e.contains("config.json"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let e = stderr(gen(
+        &m,
+        &["--mtp", "--prompt-cache", dir.path().to_str().unwrap()],
+    ));
+    assert!(e.contains("--mtp") && e.contains("--prompt-cache"), "{e}");
+    let e = stderr(gen(&m, &["--mtp", "--lookup"]));
+    assert!(e.contains("--mtp") || e.contains("--lookup"), "{e}");
+}
+
 /// `mlex bench --model m --prompt-len 8 --draft-tokens 3 ARGS --format
 /// json`, which must succeed: its JSON.
 fn bench_json(m: &std::path::Path, args: &[&str]) -> Value {

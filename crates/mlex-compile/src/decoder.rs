@@ -262,7 +262,9 @@ impl SegmentedDecoder {
                 ),
             ));
         }
-        let logits = self.run(model, tokens, cache, StateFlow::Cache)?;
+        let logits = self
+            .run(model, tokens, cache, StateFlow::Cache)?
+            .swap_remove(0);
         for caches in cache.layers.iter_mut() {
             advance_fixed(caches, 1);
         }
@@ -279,6 +281,18 @@ impl SegmentedDecoder {
         tokens: &Array,
         cache: &mut ModelCache,
     ) -> Result<(Array, PositionStates)> {
+        self.verify_normed(model, tokens, cache)
+            .map(|(logits, _, states)| (logits, states))
+    }
+
+    /// [`SegmentedDecoder::verify`], with the states after the final norm
+    /// `[B, T, D]` (what a multi-token-prediction head reads).
+    pub fn verify_normed(
+        &mut self,
+        model: &Model,
+        tokens: &Array,
+        cache: &mut ModelCache,
+    ) -> Result<(Array, Array, PositionStates)> {
         if tokens.ndim() != 2 || tokens.shape()[1] < 1 {
             return Err(Error::invalid(
                 "tokens",
@@ -286,20 +300,26 @@ impl SegmentedDecoder {
             ));
         }
         let mut states: Vec<Option<Vec<Array>>> = vec![None; model.layers.len()];
-        let logits = self.run(model, tokens, cache, StateFlow::Positions(&mut states))?;
+        let mut out = self.run(model, tokens, cache, StateFlow::Positions(&mut states))?;
         let layers = states.into_iter().map(Option::unwrap_or_default).collect();
         let t = tokens.shape()[1] as usize;
-        Ok((logits, PositionStates::new(layers, t)))
+        if out.len() != 2 {
+            return Err(Error::Other("a verify gave no normed states".into()));
+        }
+        let normed = out.pop().expect("two outputs");
+        let logits = out.pop().expect("two outputs");
+        Ok((logits, normed, PositionStates::new(layers, t)))
     }
 
-    /// Runs the schedule over `tokens`; the logits of every position.
+    /// Runs the schedule over `tokens`: the last segment's outputs (the
+    /// logits of every position; in a verify, the normed states after).
     fn run(
         &mut self,
         model: &Model,
         tokens: &Array,
         cache: &mut ModelCache,
         mut flow: StateFlow<'_>,
-    ) -> Result<Array> {
+    ) -> Result<Vec<Array>> {
         if cache.layers.len() != model.layers.len() {
             return Err(Error::Cache("cache does not match the model".into()));
         }
@@ -337,10 +357,10 @@ impl SegmentedDecoder {
                 }
             }
         }
-        carry
-            .into_iter()
-            .next()
-            .ok_or_else(|| Error::Other("decode produced no logits".into()))
+        if carry.is_empty() {
+            return Err(Error::Other("decode produced no logits".into()));
+        }
+        Ok(carry)
     }
 }
 
@@ -373,6 +393,12 @@ fn run_phases<'a>(
                     carry,
                     &mut view(&mut states[slot(i)], per_position),
                 )?]
+            }
+            // A verify also hands out the states after the final norm (a
+            // multi-token-prediction head reads them).
+            Phase::Logits if per_position => {
+                let (logits, normed) = output.forward_with_normed(p, &carry[0])?;
+                vec![logits, normed]
             }
             Phase::Logits => vec![output.forward(p, &carry[0])?],
         };

@@ -574,6 +574,17 @@ impl Model {
         tokens: &Array,
         cache: &mut ModelCache,
     ) -> Result<(Array, PositionStates)> {
+        self.verify_normed(tokens, cache)
+            .map(|(logits, _, states)| (logits, states))
+    }
+
+    /// [`Model::verify`], with the states after the final norm `[B, T, D]`
+    /// (what a multi-token-prediction head reads).
+    pub fn verify_normed(
+        &self,
+        tokens: &Array,
+        cache: &mut ModelCache,
+    ) -> Result<(Array, Array, PositionStates)> {
         self.check_cache(cache)?;
         let p = self.params.view();
         let mut x = self.embed_tokens(&p, tokens)?;
@@ -584,7 +595,8 @@ impl Model {
             layers.push(state);
         }
         let tokens = tokens.shape()[1] as usize;
-        Ok((self.logits(&p, &x)?, PositionStates { layers, tokens }))
+        let (logits, normed) = self.output.forward_with_normed(&p, &x)?;
+        Ok((logits, normed, PositionStates { layers, tokens }))
     }
 
     fn check_cache(&self, cache: &ModelCache) -> Result<()> {

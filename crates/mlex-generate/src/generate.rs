@@ -16,7 +16,7 @@ use crate::speculative::{Drafter, SpecStats};
 use mlex_cache::{PromptCache, StateSnapshot};
 use mlex_compile::{CompilePolicy, SegmentedDecoder};
 use mlex_core::error::{Error, Result};
-use mlex_core::model::{Model, ModelCache, PositionStates};
+use mlex_core::model::{ArrayExt, Model, ModelCache, PositionStates};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{ops, Array, Dtype};
@@ -192,6 +192,33 @@ impl Generator {
         }
     }
 
+    /// [`Generator::verify`], with the states after the final norm
+    /// `[B, T, D]` (what a multi-token-prediction head reads).
+    pub fn verify_normed(
+        &mut self,
+        tokens: &Array,
+        cache: &mut ModelCache,
+    ) -> Result<(Array, Array, PositionStates)> {
+        match &mut self.decoder {
+            Some(d) => d.verify_normed(&self.model, tokens, cache),
+            None => self.model.verify_normed(tokens, cache),
+        }
+    }
+
+    /// The whole prompt into a fresh cache (no prompt cache): its cache,
+    /// last logits `[1, V]` and the states after the final norm of every
+    /// position `[1, P, D]`.
+    pub(crate) fn prefill_normed(&mut self, prompt: &[u32]) -> Result<(ModelCache, Array, Array)> {
+        let mut cache = self.model.make_cache(1)?;
+        let mut parts = Vec::new();
+        let logits = self.prefill(prompt, 0, &mut cache, None, Some(&mut parts))?;
+        let normed = match parts.len() {
+            1 => parts.pop().expect("one"),
+            _ => ops::concatenate(&parts, 1)?,
+        };
+        Ok((cache, logits, normed))
+    }
+
     /// One single-token step: `[B, 1]` tokens → `[B, V]` logits.
     pub(crate) fn step(&mut self, tokens: &Array, cache: &mut ModelCache) -> Result<Array> {
         match &mut self.decoder {
@@ -214,6 +241,7 @@ impl Generator {
         start: usize,
         cache: &mut ModelCache,
         mut snapshots: Option<&mut Vec<(usize, StateSnapshot)>>,
+        mut normed: Option<&mut Vec<Array>>,
     ) -> Result<Array> {
         if tokens.is_empty() {
             return Err(Error::invalid("prompt", "is empty"));
@@ -234,10 +262,24 @@ impl Generator {
             }
             let piece = &ids[pos - start..next - start];
             let x = Array::from_slice(piece, &[1, piece.len() as i32]);
-            if next == end {
+            if let Some(out) = normed.as_deref_mut() {
+                // Every position's state after the final norm too.
+                let h = self.model.forward_hidden(&x, cache)?;
+                let p = self.model.params.view();
+                let n = self.model.output.norm.forward(&p, &h)?;
+                out.push(n.clone());
+                if next == end {
+                    let last = n.index_last(n.shape()[1])?;
+                    return Ok(ops::squeeze_axes(
+                        &self.model.output.project(&p, &last)?,
+                        &[1],
+                    )?);
+                }
+            } else if next == end {
                 return self.model.forward_last(&x, cache);
+            } else {
+                self.model.forward_hidden(&x, cache)?;
             }
-            self.model.forward_hidden(&x, cache)?;
             if let Some(snaps) = snapshots.as_deref_mut() {
                 if (every > 0 && next.is_multiple_of(every)) || before_last == Some(next) {
                     snaps.push((next, StateSnapshot::of(cache)));
@@ -294,6 +336,7 @@ impl Generator {
             reused,
             &mut cache,
             (use_cache && recurrent).then_some(&mut checkpoints),
+            None,
         )?;
         Ok((cache, logits, reused, checkpoints))
     }
@@ -351,9 +394,22 @@ impl Generator {
         mlex_core::device::reset_peak_memory()?;
         let start = Instant::now();
 
-        let (mut cache, logits, reused, mut checkpoints) =
-            self.restore_and_prefill(prompt, opts.use_prompt_cache)?;
-        let prompt_snapshot = opts.use_prompt_cache.then(|| StateSnapshot::of(&cache));
+        // A drafter that reads the target's hidden states needs every
+        // prompt position's: the prompt cache (whose restored prefixes have
+        // none) is not used.
+        let wants_hidden = self
+            .speculative
+            .as_ref()
+            .is_some_and(|(d, _)| d.wants_hidden());
+        let use_cache = opts.use_prompt_cache && !wants_hidden;
+        let (mut cache, logits, reused, mut checkpoints, prompt_hidden) = if wants_hidden {
+            let (cache, logits, normed) = self.prefill_normed(prompt)?;
+            (cache, logits, 0, Vec::new(), Some(normed))
+        } else {
+            let (c, l, r, k) = self.restore_and_prefill(prompt, use_cache)?;
+            (c, l, r, k, None)
+        };
+        let prompt_snapshot = use_cache.then(|| StateSnapshot::of(&cache));
 
         let ctx = opts.sampler.repetition_context.max(1);
         let history = history_of(prompt, ctx);
@@ -368,7 +424,7 @@ impl Generator {
                     &mut cache,
                     &mut sampler,
                     (drafter.as_mut(), k),
-                    y,
+                    (y, prompt_hidden),
                     on_token,
                 );
                 self.speculative = Some((drafter, k));

@@ -291,6 +291,8 @@ fn prompt_lookup_stands_down_when_acceptance_stays_low() {
             k: 3,
             sampler: &sampler,
             rng: &mut rng,
+            model: None,
+            hidden: None,
         })
         .unwrap()
         .tokens
@@ -375,4 +377,112 @@ fn forced_acceptance_keeps_the_set_share_of_drafts() {
         (kept_per_round[2] - expected).abs() < 0.25,
         "{kept_per_round:?} against {expected}"
     );
+}
+
+/// The multi-token-prediction head drafts (`--mtp`): greedy output equals
+/// plain, compiled and eager, for k = 1..6, and sampling runs the rule over
+/// its distributions; on a random head acceptance means nothing, so the
+/// rounds, not the rate, are checked.
+#[test]
+fn greedy_mtp_speculation_equals_plain() {
+    let with: Vec<Fixture> = fixtures()
+        .into_iter()
+        .filter(|f| f.mtp_reference.is_some())
+        .collect();
+    assert_eq!(with.len(), 2);
+    let dispatch = mlex_models::dispatch().unwrap();
+    for f in &with {
+        for compiled in [true, false] {
+            let registry = mlex_models::registry().unwrap();
+            let model = mlex_models::load::load_with_mtp(
+                path_of(f).to_str().unwrap(),
+                registry,
+                &dispatch,
+                true,
+            )
+            .unwrap()
+            .model;
+            let p = prompt(model.vocab_size() as u32);
+            let mut g = Generator::new(model, compiled);
+            let (plain, _) = run(&mut g, &p, 14);
+            for k in 1..=6 {
+                g.speculative = Some((Box::new(mlex_generate::MtpDrafter::new()), k));
+                let (spec, stats) = run(&mut g, &p, 14);
+                let stats = stats.expect("speculative stats");
+                assert_eq!(stats.drafter, "mtp");
+                assert!(stats.rounds > 0, "{}: no verify forward", f.name);
+                assert_same(
+                    &g.model,
+                    &p,
+                    &plain,
+                    &spec,
+                    &format!("{} mtp k={k} compiled={compiled}", f.name),
+                );
+            }
+            let sampled = GenerateOptions {
+                sampler: SamplerConfig {
+                    temp: 0.8,
+                    seed: Some(3),
+                    ..SamplerConfig::default()
+                },
+                ..opts(12)
+            };
+            g.speculative = Some((Box::new(mlex_generate::MtpDrafter::new()), 3));
+            let r = g
+                .generate(&p, &sampled, &mut |_| Ok(Flow::Continue))
+                .unwrap();
+            assert_eq!(r.tokens.len(), 12);
+            assert!(r.speculative.unwrap().rounds > 0);
+        }
+    }
+}
+
+/// The MTP drafter puts each position's state beside the token after it,
+/// and chains on its own states: its first two drafts are the reference's
+/// (`xtask/py/mtp_ref.py`: the last row's argmax, then the chained row's).
+#[test]
+fn mtp_drafts_are_the_reference_heads() {
+    let dispatch = mlex_models::dispatch().unwrap();
+    for f in fixtures().into_iter().filter(|f| f.mtp_reference.is_some()) {
+        let registry = mlex_models::registry().unwrap();
+        let model = mlex_models::load::load_with_mtp(
+            path_of(&f).to_str().unwrap(),
+            registry,
+            &dispatch,
+            true,
+        )
+        .unwrap()
+        .model;
+        let r: std::collections::HashMap<String, mlx_rs::Array> =
+            mlx_rs::Array::load_safetensors(fixtures_dir().join(f.mtp_reference.as_ref().unwrap()))
+                .unwrap();
+        let prompt: Vec<u32> = to_f32(&r["prompt"]).iter().map(|&x| x as u32).collect();
+        let n = prompt.len() as i32 - 1;
+        // The target holds prompt[..n]; prompt[n] is the token to verify.
+        let ids: Vec<i32> = prompt[..n as usize].iter().map(|&t| t as i32).collect();
+        let mut cache = model.make_cache(1).unwrap();
+        let x = model.forward_hidden(&tokens(&ids), &mut cache).unwrap();
+        let (_, normed) = model
+            .output
+            .forward_with_normed(&model.params.view(), &x)
+            .unwrap();
+        let sampler =
+            mlex_generate::Sampler::new(SamplerConfig::default(), model.vocab_size() as usize)
+                .unwrap();
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(1);
+        let mut d = mlex_generate::MtpDrafter::new();
+        let draft = d
+            .propose(mlex_generate::DraftRequest {
+                context: &prompt,
+                k: 2,
+                sampler: &sampler,
+                rng: &mut rng,
+                model: Some(&model),
+                hidden: Some(&normed),
+            })
+            .unwrap();
+        let chain = to_f32(&r["chain_token"])[0] as u32;
+        let second = argmax(&to_f32(&r["chain_logits"])) as u32;
+        assert_eq!(draft.tokens, vec![chain, second], "{}", f.name);
+    }
 }

@@ -126,10 +126,10 @@ fn parse_line(
 }
 
 pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
-    if a.speculative.lookup || a.speculative.draft_model.is_some() {
+    if a.speculative.lookup || a.speculative.draft_model.is_some() || a.speculative.mtp {
         return Err(Error::invalid(
             "--prompts-file",
-            "speculative decoding (--lookup, --draft-model) runs one prompt at a time for now; drop one of them",
+            "speculative decoding (--lookup, --draft-model, --mtp) runs one prompt at a time for now; drop one of them",
         ));
     }
     let content = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;

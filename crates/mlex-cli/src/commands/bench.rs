@@ -32,7 +32,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
             "need a prompt of at least 1 token and at least 2 generated tokens",
         ));
     }
-    let loaded = load_with(&a.model, registry)?;
+    let loaded = crate::session::load_for(&a.model, Some(&a.speculative), registry)?;
     let vocab = loaded.model.vocab_size() as usize;
     let arch = loaded.model.arch.clone();
     // With --json-schema every sequence is held to it and ends where it

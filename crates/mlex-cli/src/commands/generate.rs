@@ -1,7 +1,7 @@
 //! `mlex generate`.
 
 use crate::args::{Format, GenerateArgs};
-use crate::session::{generate_options, load_with, open_prompt_cache, tokenizer_for};
+use crate::session::{generate_options, open_prompt_cache, tokenizer_for};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{Flow, Message, TextStream};
@@ -9,7 +9,7 @@ use serde_json::json;
 use std::io::{Read, Write};
 
 pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
-    let loaded = load_with(&a.model, registry)?;
+    let loaded = crate::session::load_for(&a.model, Some(&a.speculative), registry)?;
     let vocab = loaded.model.vocab_size() as usize;
     let tokenizer = match (&a.prompt_ids, tokenizer_for(&loaded)) {
         (Some(_), t) => t.ok(),
@@ -46,6 +46,14 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     let loaded_fingerprint = loaded.fingerprint.clone();
     let mut generator = crate::session::generator(loaded.model, &a.model);
     crate::session::speculative(&mut generator, &a.speculative, &a.model, registry)?;
+    if a.speculative.mtp && a.prompt_cache.is_some() {
+        // The head drafts from every prompt position's state, which a
+        // restored prefix does not have.
+        return Err(Error::invalid(
+            "--mtp",
+            "cannot be used with --prompt-cache yet: the head needs the states of every prompt position",
+        ));
+    }
     let cache_file = match &a.prompt_cache {
         Some(dir) => Some(open_prompt_cache(&mut generator, dir, &loaded_fingerprint)?),
         None => None,

@@ -28,9 +28,13 @@ impl Generator {
         cache: &mut ModelCache,
         sampler: &mut Sampler,
         (drafter, k): (&mut dyn Drafter, usize),
-        first: Array,
+        (first, prompt_hidden): (Array, Option<Array>),
         on_token: &mut dyn FnMut(u32) -> Result<Flow>,
     ) -> Result<Decoded> {
+        // The target's normed states of the positions committed since the
+        // last proposal, for a drafter that reads them.
+        let wants_hidden = drafter.wants_hidden();
+        let mut hidden: Vec<Array> = prompt_hidden.into_iter().collect();
         let k = check_draft_tokens(k)?;
         let limit = self.model.max_context.unwrap_or(usize::MAX);
         let mut rng = match opts.sampler.seed {
@@ -69,11 +73,19 @@ impl Generator {
                 let t0 = Instant::now();
                 // The context is what the cache holds and `y`.
                 fed.push(y);
+                let h = match hidden.len() {
+                    0 => None,
+                    1 => hidden.pop(),
+                    _ => Some(ops::concatenate(&hidden, 1)?),
+                };
+                hidden.clear();
                 let proposed = drafter.propose(DraftRequest {
                     context: &fed,
                     k: kk,
                     sampler,
                     rng: &mut rng,
+                    model: Some(&self.model),
+                    hidden: h.as_ref(),
                 });
                 fed.pop();
                 draft = proposed?;
@@ -85,7 +97,16 @@ impl Generator {
                 if n > 0 {
                     drafter.accepted(0)?;
                 }
-                let logits = self.step(&Array::from_slice(&[y as i32], &[1, 1]), cache)?;
+                let one = Array::from_slice(&[y as i32], &[1, 1]);
+                let logits = if wants_hidden {
+                    // A one-token verify: the step's normed state too.
+                    let (l, h, states) = self.verify_normed(&one, cache)?;
+                    cache.commit(states, 1)?;
+                    hidden.push(h);
+                    ops::squeeze_axes(&l, &[1])?
+                } else {
+                    self.step(&one, cache)?
+                };
                 fed.push(y);
                 let hist = use_history.then(|| history_of(&fed, ctx));
                 pending.push(token_id(&sampler.sample(&logits, hist.as_ref())?)?);
@@ -96,7 +117,7 @@ impl Generator {
             let mut input: Vec<i32> = vec![y as i32];
             input.extend(draft.tokens.iter().map(|&t| t as i32));
             let x = Array::from_slice(&input, &[1, input.len() as i32]);
-            let (logits, states) = self.verify(&x, cache)?;
+            let (logits, normed, states) = self.verify_normed(&x, cache)?;
             let judge = Judge {
                 sampler,
                 logits: ops::squeeze_axes(&logits, &[0])?,
@@ -108,6 +129,9 @@ impl Generator {
             stats.verify_s += t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
             cache.commit(states, accepted + 1)?;
+            if wants_hidden {
+                hidden.push(normed.try_index((.., ..accepted as i32 + 1, ..))?);
+            }
             fed.extend(input[..=accepted].iter().map(|&t| t as u32));
             stats.commit_s += t1.elapsed().as_secs_f64();
             drafter.accepted(accepted)?;

@@ -173,7 +173,7 @@ impl DraftModel {
         let start = self.seen.len();
         let logits = self
             .generator
-            .prefill(&context[start..], start, cache, None)?;
+            .prefill(&context[start..], start, cache, None, None)?;
         self.seen.extend_from_slice(&context[start..]);
         Ok(cache.can_take_back(k).then_some(logits))
     }

@@ -26,8 +26,10 @@ use rand::Rng;
 
 mod decode;
 mod drafters;
+mod mtp;
 
 pub use drafters::{DraftModel, PromptLookup, ScriptedDrafter, Spoil};
+pub use mtp::MtpDrafter;
 
 /// Most tokens one round may propose (`--draft-tokens`).
 pub const MAX_DRAFT_TOKENS: usize = 16;
@@ -73,6 +75,14 @@ pub struct DraftRequest<'a> {
     pub sampler: &'a Sampler,
     /// The generation's random stream, for drafts that are sampled.
     pub rng: &'a mut StdRng,
+    /// The target model (its multi-token-prediction head drafts), when
+    /// the caller has it.
+    pub model: Option<&'a mlex_core::model::Model>,
+    /// For a drafter that [`Drafter::wants_hidden`]: the target's states
+    /// after its final norm, `[1, n, D]`, of the positions it committed
+    /// since the last proposal (the prompt's, at the first), in order; the
+    /// state at position `j` is the one whose logits gave token `j + 1`.
+    pub hidden: Option<&'a Array>,
 }
 
 /// Proposes tokens for the target to verify: a smaller model, the
@@ -87,6 +97,13 @@ pub trait Drafter {
     /// How many tokens of the last proposal the target accepted (called
     /// once after every non-empty proposal).
     fn accepted(&mut self, n: usize) -> Result<()>;
+
+    /// True when proposals read the target's hidden states
+    /// ([`DraftRequest::hidden`]; the target then prefills without its
+    /// prompt cache, whose restored prefixes have none).
+    fn wants_hidden(&self) -> bool {
+        false
+    }
 }
 
 /// A `[1, V]` (or `[V]`) probability array on the host.

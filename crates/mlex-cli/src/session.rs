@@ -238,13 +238,24 @@ pub fn generator(model: mlex_core::model::Model, m: &ModelArgs) -> mlex_generate
 
 /// Turns on the drafter `s` asks for (if any) in `generator`, whose model
 /// was loaded with `m`; a draft model loads with the same options.
+/// `prompt_cache`: the command reuses prefixes (`--prompt-cache`), which
+/// the MTP head cannot draft after yet.
 pub fn speculative(
     generator: &mut mlex_generate::Generator,
     s: &crate::args::SpeculativeArgs,
     m: &ModelArgs,
     registry: &Registry,
+    prompt_cache: bool,
 ) -> Result<()> {
     let k = mlex_generate::check_draft_tokens(s.draft_tokens)?;
+    if s.mtp && prompt_cache {
+        // The head drafts from every prompt position's state, which a
+        // restored prefix does not have.
+        return Err(Error::invalid(
+            "--mtp",
+            "cannot be used with --prompt-cache yet: the head needs the states of every prompt position",
+        ));
+    }
     let drafter: Box<dyn mlex_generate::Drafter> = if let Some(path) = &s.draft_model {
         let dm = ModelArgs {
             model: path.clone(),

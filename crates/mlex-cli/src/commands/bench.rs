@@ -68,7 +68,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     if a.verify_cost {
         return run_verify_cost(&a, &mut g, &arch, &prompt);
     }
-    crate::session::speculative(&mut g, &a.speculative, &a.model, registry)?;
+    crate::session::speculative(&mut g, &a.speculative, &a.model, registry, false)?;
     // Warm-up: compiles the decode segments and warms the allocator.
     g.generate(&prompt, &opts(a.gen.min(8)), &mut |_| Ok(Flow::Continue))?;
     let mut best: Option<mlex_generate::Generation> = None;

@@ -45,15 +45,13 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
     let loaded_fingerprint = loaded.fingerprint.clone();
     let mut generator = crate::session::generator(loaded.model, &a.model);
-    crate::session::speculative(&mut generator, &a.speculative, &a.model, registry)?;
-    if a.speculative.mtp && a.prompt_cache.is_some() {
-        // The head drafts from every prompt position's state, which a
-        // restored prefix does not have.
-        return Err(Error::invalid(
-            "--mtp",
-            "cannot be used with --prompt-cache yet: the head needs the states of every prompt position",
-        ));
-    }
+    crate::session::speculative(
+        &mut generator,
+        &a.speculative,
+        &a.model,
+        registry,
+        a.prompt_cache.is_some(),
+    )?;
     let cache_file = match &a.prompt_cache {
         Some(dir) => Some(open_prompt_cache(&mut generator, dir, &loaded_fingerprint)?),
         None => None,

@@ -97,16 +97,7 @@ impl Generator {
                 if n > 0 {
                     drafter.accepted(0)?;
                 }
-                let one = Array::from_slice(&[y as i32], &[1, 1]);
-                let logits = if wants_hidden {
-                    // A one-token verify: the step's normed state too.
-                    let (l, h, states) = self.verify_normed(&one, cache)?;
-                    cache.commit(states, 1)?;
-                    hidden.push(h);
-                    ops::squeeze_axes(&l, &[1])?
-                } else {
-                    self.step(&one, cache)?
-                };
+                let logits = self.plain_step(y, cache, wants_hidden.then_some(&mut hidden))?;
                 fed.push(y);
                 let hist = use_history.then(|| history_of(&fed, ctx));
                 pending.push(token_id(&sampler.sample(&logits, hist.as_ref())?)?);
@@ -145,6 +136,26 @@ impl Generator {
             first_at: Some(first_at),
             speculative: Some(stats),
         })
+    }
+}
+
+impl Generator {
+    /// One token through the target, `[1, V]` logits; with `hidden`, as a
+    /// one-token verify that also hands out the step's normed state.
+    fn plain_step(
+        &mut self,
+        y: u32,
+        cache: &mut ModelCache,
+        hidden: Option<&mut Vec<Array>>,
+    ) -> Result<Array> {
+        let one = Array::from_slice(&[y as i32], &[1, 1]);
+        let Some(hidden) = hidden else {
+            return self.step(&one, cache);
+        };
+        let (l, h, states) = self.verify_normed(&one, cache)?;
+        cache.commit(states, 1)?;
+        hidden.push(h);
+        Ok(ops::squeeze_axes(&l, &[1])?)
     }
 }
 

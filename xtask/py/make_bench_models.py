@@ -53,6 +53,9 @@ MAKER_VERSION = 1
 
 SHAPES = ("qwen3-0.6b", "qwen3_5", "nemotron_h")
 HYBRIDS = ("qwen3_5", "nemotron_h")
+# For mlex alone (mlx-lm does not load `mtp.*`): qwen3_5 with a random
+# multi-token-prediction head.
+MLEX_ONLY = ("qwen3_5-mtp",)
 
 DIMS = {
     "real": dict(
@@ -221,7 +224,12 @@ def nemotron_h_config(d: dict) -> dict:
 def config(shape: str, scale: str) -> dict:
     """The ``config.json`` of ``shape`` at ``scale``."""
     d = DIMS[scale]
-    return {"qwen3-0.6b": qwen3_config, "qwen3_5": qwen3_5_config, "nemotron_h": nemotron_h_config}[shape](d)
+    return {
+        "qwen3-0.6b": qwen3_config,
+        "qwen3_5": qwen3_5_config,
+        "nemotron_h": nemotron_h_config,
+        "qwen3_5-mtp": qwen3_5_mtp_config,
+    }[shape](d)
 
 
 # --------------------------------------------------------------------------
@@ -340,9 +348,40 @@ def nemotron_h_shapes(c: dict) -> dict[str, tuple]:
     return s
 
 
+def qwen3_5_mtp_config(d: dict) -> dict:
+    c = qwen3_5_config(d)
+    c["text_config"]["mtp_num_hidden_layers"] = 1
+    return c
+
+
+def qwen3_5_mtp_shapes(cfg: dict) -> dict[str, tuple]:
+    """qwen3_5's tensors and an MTP head (``mtp.*``, MLX layout: norms as
+    they multiply): ``fc`` [H, 2H], its three norms, and one layer shaped
+    as the trunk's first full-attention layer."""
+    s = qwen3_5_shapes(cfg)
+    c = cfg["text_config"]
+    H = c["hidden_size"]
+    first = f"language_model.model.layers.{c['full_attention_interval'] - 1}."
+    for name, shp in list(s.items()):
+        if name.startswith(first):
+            s["mtp.layers.0." + name[len(first):]] = shp
+    s.update({
+        "mtp.fc.weight": (H, 2 * H),
+        "mtp.pre_fc_norm_embedding.weight": (H,),
+        "mtp.pre_fc_norm_hidden.weight": (H,),
+        "mtp.norm.weight": (H,),
+    })
+    return s
+
+
 def weight_shapes(shape: str, cfg: dict) -> dict[str, tuple]:
     """Every tensor of the checkpoint: name -> shape."""
-    return {"qwen3-0.6b": qwen3_shapes, "qwen3_5": qwen3_5_shapes, "nemotron_h": nemotron_h_shapes}[shape](cfg)
+    return {
+        "qwen3-0.6b": qwen3_shapes,
+        "qwen3_5": qwen3_5_shapes,
+        "nemotron_h": nemotron_h_shapes,
+        "qwen3_5-mtp": qwen3_5_mtp_shapes,
+    }[shape](cfg)
 
 
 # --------------------------------------------------------------------------
@@ -430,8 +469,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     shapes = [s for s in a.shapes.split(",") if s]
     for s in shapes:
-        if s not in SHAPES:
-            p.error(f"unknown shape {s!r} (known: {', '.join(SHAPES)})")
+        if s not in SHAPES + MLEX_ONLY:
+            p.error(f"unknown shape {s!r} (known: {', '.join(SHAPES + MLEX_ONLY)})")
     for s in shapes:
         make(s, a.scale, a.out, seed=a.seed, force=a.force)
 

@@ -40,8 +40,8 @@ pub use mlex_cache::PromptCache;
 pub use reasoning::{starts_in_reasoning, Part, ReasoningSplit, THINK_END, THINK_START};
 pub use sampler::{LogprobArrays, Sampler, SamplerConfig};
 pub use speculative::{
-    accept_or_replace, check_draft_tokens, Draft, DraftModel, DraftRequest, Drafter, MtpDrafter,
-    PromptLookup, ScriptedDrafter, SpecStats, Spoil, MAX_DRAFT_TOKENS,
+    accept_or_replace, check_draft_tokens, Draft, DraftModel, DraftRequest, Drafter, ForcedKeep,
+    MtpDrafter, PromptLookup, ScriptedDrafter, SpecStats, Spoil, MAX_DRAFT_TOKENS,
 };
 pub use stop::{cut_at_stop, shown_len};
 pub use text_stream::{Pushed, TextStream};

@@ -167,6 +167,13 @@ fn run_draft_acceptance(
         ));
     }
     let k = mlex_generate::check_draft_tokens(a.speculative.draft_tokens)?;
+    let mtp = a.speculative.mtp;
+    if mtp && !a.force_acceptance {
+        return Err(Error::invalid(
+            "--mtp",
+            "with --draft-acceptance needs --force-acceptance (a random head's own acceptance means nothing)",
+        ));
+    }
     let vocab = g.model.vocab_size() as u32;
     // Warm-up, and the script: the model's own greedy continuation.
     let plain0 = g.generate(prompt, &opts(a.gen), &mut |_| Ok(Flow::Continue))?;
@@ -178,6 +185,14 @@ fn run_draft_acceptance(
     };
     let drafter = |seed: u64| -> Result<Box<dyn mlex_generate::Drafter>> {
         use mlex_generate::{ScriptedDrafter, Spoil};
+        if mtp {
+            // The head drafts for real (its time counts); the coins decide.
+            return Ok(Box::new(mlex_generate::ForcedKeep::new(
+                Box::new(mlex_generate::MtpDrafter::new()),
+                acc,
+                seed,
+            )));
+        }
         Ok(Box::new(if a.force_acceptance {
             ScriptedDrafter::new(
                 script.clone(),
@@ -211,7 +226,11 @@ fn run_draft_acceptance(
         // tie (the verify forward rounds its products differently); the
         // bench-only drafter's time (its oracle's) is not counted.
         same += usize::from(r.tokens == plain0.tokens);
-        let draft_s = r.speculative.as_ref().map_or(0.0, |s| s.draft_s);
+        // The scripted drafter's time is the bench's; an MTP head's is real.
+        let draft_s = match mtp {
+            true => 0.0,
+            false => r.speculative.as_ref().map_or(0.0, |s| s.draft_s),
+        };
         spec.push((r.tokens.len() - 1) as f64 / (r.decode_s - draft_s).max(1e-9));
         peak_spec = peak_spec.max(r.peak_memory_bytes);
         last = r.speculative;

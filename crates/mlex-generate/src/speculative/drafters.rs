@@ -364,3 +364,49 @@ impl Drafter for ScriptedDrafter {
         Ok(())
     }
 }
+
+/// A drafter whose rounds keep a set share of its drafts (benchmarks
+/// only): `inner` drafts as it would (its time is real), then each round
+/// keeps the drafts before the first one a coin of `acceptance` spoils
+/// ([`Draft::keep`]), whatever the target says. It measures what a real
+/// drafter (an MTP head on random weights, say) would give at that
+/// acceptance; the output is not the target's.
+pub struct ForcedKeep {
+    inner: Box<dyn Drafter>,
+    acceptance: f64,
+    rng: StdRng,
+}
+
+impl ForcedKeep {
+    /// Wraps `inner`; `seed` drives the coins.
+    pub fn new(inner: Box<dyn Drafter>, acceptance: f64, seed: u64) -> Self {
+        Self {
+            inner,
+            acceptance,
+            rng: StdRng::seed_from_u64(seed),
+        }
+    }
+}
+
+impl Drafter for ForcedKeep {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn wants_hidden(&self) -> bool {
+        self.inner.wants_hidden()
+    }
+
+    fn propose(&mut self, req: DraftRequest<'_>) -> Result<Draft> {
+        let mut d = self.inner.propose(req)?;
+        let kept = (0..d.tokens.len())
+            .take_while(|_| self.rng.random::<f64>() < self.acceptance)
+            .count();
+        d.keep = Some(kept);
+        Ok(d)
+    }
+
+    fn accepted(&mut self, n: usize) -> Result<()> {
+        self.inner.accepted(n)
+    }
+}

@@ -28,7 +28,7 @@ mod decode;
 mod drafters;
 mod mtp;
 
-pub use drafters::{DraftModel, PromptLookup, ScriptedDrafter, Spoil};
+pub use drafters::{DraftModel, ForcedKeep, PromptLookup, ScriptedDrafter, Spoil};
 pub use mtp::MtpDrafter;
 
 /// Most tokens one round may propose (`--draft-tokens`).

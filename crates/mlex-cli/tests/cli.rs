@@ -1843,4 +1843,37 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
         .clone();
     let e = String::from_utf8_lossy(&out);
     assert!(e.contains("--draft-acceptance"), "{e}");
+    // The MTP head drafting at a forced acceptance: every draft kept; a
+    // random head's own acceptance is refused as a measure.
+    let mtp = fixture_path("qwen3_5-mtp-hf");
+    let v = bench_json(
+        &mtp,
+        &[
+            "--gen",
+            "16",
+            "--repeats",
+            "1",
+            "--mtp",
+            "--draft-acceptance",
+            "1",
+            "--force-acceptance",
+        ],
+    );
+    assert_eq!(v["speculative"]["drafter"], "mtp", "{v}");
+    assert_eq!(v["speculative"]["acceptance"].as_f64(), Some(1.0), "{v}");
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&mtp)
+        .args(["--mtp", "--draft-acceptance", "0.5"])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(
+        e.contains("--mtp") && e.contains("--force-acceptance"),
+        "{e}"
+    );
 }

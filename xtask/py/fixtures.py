@@ -1658,6 +1658,15 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str, variant: str = "
     params = get_total_parameters(model)
     weights = dict(tree_flatten(model.parameters()))
     hf = {k: np.array(v) for k, v in to_hf(dict(weights), cfg, np.random.default_rng(seed_for(name))).items()}
+    mtp = None
+    if variant == "mtp":
+        # A whole random MTP block, written as llama.cpp's converter writes
+        # one (blk.L, nextn.*); its reference composes mlx-lm's layer.
+        layer, text = mtp_ref.decoder_layer(cfg)
+        mtp = mtp_ref.Mtp(layer, text["hidden_size"], text["rms_norm_eps"])
+        mtp.load_weights(random_parameters(mtp, seed_for(name)), strict=True)
+        hf = {k: v for k, v in hf.items() if not k.startswith("mtp.")}
+        hf.update({k: np.array(v) for k, v in mtp_ref.hf_mtp_weights(mtp, text.get("num_experts", 0) or 0).items()})
 
     # The two directions must undo each other before quantization enters.
     back = gguf_hybrid.gguf_to_mlx(cfg, dict(gguf_hybrid.hf_to_gguf(cfg, hf)))
@@ -1737,6 +1746,10 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str, variant: str = "
     save_config(ref_cfg, deq_dir / "config.json")
     prompt = random_prompt(vocab)
     ref = write_reference(deq_dir, prompt, path / "reference.safetensors")
+    extra = {}
+    if mtp is not None:
+        mtp_ref.write_mtp_reference(path, mtp, ref_model, prompt, text_config(cfg))
+        extra["mtp_reference"] = f"{name}/mtp_reference.safetensors"
     summarize(name, params, ref)
     reference = (
         "mlx-lm on the gguf package's float32 dequantization mapped back"
@@ -1755,6 +1768,7 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str, variant: str = "
         f"{kind.upper()} 2-D/3-D tensors, F32 norms, routers and convs"
         + (f"; variant `{variant}` (see gguf_hybrid.VARIANTS)" if variant else "")
         + f". Reference: {reference} ({name}/dequantized)",
+        **extra,
         **reference_facts(ref),
     )
 

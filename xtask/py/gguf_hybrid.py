@@ -14,7 +14,8 @@ NemotronHModel; read at upstream llama.cpp 1425386f, 2026-07-23):
   (all q, all k, all v) and ``attn_gate`` (z); Qwen3.5 moves its value
   heads from grouped order (head ``g*r + j`` for key head ``g``) to tiled
   order (slot ``j*nk + g``) in every linear-attention tensor; experts are
-  stacked; ``mtp.*`` is dropped (``--no-mtp`` for Qwen3.5).
+  stacked; ``mtp.*`` is dropped (``--no-mtp`` for Qwen3.5) except in the
+  ``mtp`` variant, which writes it as the converter does (``mtp_block``).
 * nemotron_h / nemotron_h_moe: ``ssm_a = -exp(A_log)`` and ``ssm_d`` as
   ``[heads, 1]``; the gated norm as ``[groups, d_inner / groups]``; conv
   squeezed; attention q/k rows in LLaMA's rotary permutation (although the
@@ -196,6 +197,7 @@ def hf_to_gguf(cfg: dict, hf: dict[str, np.ndarray], variant: str = "") -> list[
     family = cfg["model_type"]
     nemotron = family == "nemotron_h"
     hf = {k.replace("language_model.", "", 1): np.asarray(v, dtype=np.float32) for k, v in hf.items()}
+    mtp = {k: v for k, v in hf.items() if k.startswith("mtp.")}
     hf = {k: v for k, v in hf.items() if not k.startswith(("mtp.", "model.visual.", "model.mtp."))}
     hf = stack_hf_experts(hf, "mixer" if nemotron else "mlp")
     out = []
@@ -228,25 +230,36 @@ def hf_to_gguf(cfg: dict, hf: dict[str, np.ndarray], variant: str = "") -> list[
             names[f"blk.{bid}.ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
         out = sorted(names.items())
     if variant == "mtp":
-        out += mtp_block(t)
+        out += mtp_block(t, family, mtp)
     return out
 
 
-def mtp_block(t: dict) -> list[tuple[str, np.ndarray]]:
-    """A random multi-token-prediction block as the converter writes it:
-    a full-attention layer at blk.L plus its nextn.* tensors."""
-    rng = np.random.default_rng(7)
-    L, h, hd = t["num_hidden_layers"], t["hidden_size"], t["head_dim"]
-    nh, nkv, f = t["num_attention_heads"], t["num_key_value_heads"], t["intermediate_size"]
-    shapes = {
-        "attn_norm.weight": (h,), "post_attention_norm.weight": (h,),
-        "attn_q.weight": (2 * nh * hd, h), "attn_k.weight": (nkv * hd, h), "attn_v.weight": (nkv * hd, h),
-        "attn_output.weight": (h, nh * hd), "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
-        "ffn_gate.weight": (f, h), "ffn_up.weight": (f, h), "ffn_down.weight": (h, f),
-        "nextn.eh_proj.weight": (h, 2 * h), "nextn.enorm.weight": (h,), "nextn.hnorm.weight": (h,),
-        "nextn.shared_head_norm.weight": (h,),
-    }
-    return [(f"blk.{L}.{n}", rng.standard_normal(s).astype(np.float32) / 8) for n, s in shapes.items()]
+# The head's own tensors (conversion/qwen.py, _Qwen35MtpMixin's remapper).
+NEXTN = {
+    "mtp.fc.weight": "nextn.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
+}
+
+
+def mtp_block(t: dict, family: str, mtp: dict[str, np.ndarray]) -> list[tuple[str, np.ndarray]]:
+    """The checkpoint's multi-token-prediction block as the converter writes
+    it: ``mtp.layers.i`` as the layer ``blk.{L+i}`` (its tensors converted
+    as any layer's), the head's tensors beside it as ``nextn.*``, every norm
+    with its +1."""
+    L = t["num_hidden_layers"]
+    out = []
+    for name, v in sorted(stack_hf_experts(mtp, "mlp").items()):
+        if name in NEXTN:
+            out.append((f"blk.{L}.{NEXTN[name]}", v + 1 if "norm" in name else v))
+            continue
+        m = re.fullmatch(r"mtp\.layers\.(\d+)\.(.+)", name)
+        if m is None:
+            raise ValueError(f"{name}: not a tensor the converter maps")
+        for gname, value in qwen_tensor(t, family, m[2], v):
+            out.append((f"blk.{L + int(m[1])}.{gname}", value))
+    return out
 
 
 def qwen_tensor(t: dict, family: str, rest: str, v: np.ndarray, variant: str = "") -> list[tuple[str, np.ndarray]]:

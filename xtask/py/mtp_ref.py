@@ -79,6 +79,37 @@ def hf_mtp_weights(mtp: Mtp, experts: int) -> dict[str, mx.array]:
     return out
 
 
+def write_mtp_reference(path: Path, mtp: Mtp, model: nn.Module, prompt: np.ndarray, text: dict) -> None:
+    """``path/mtp_reference.safetensors`` for the block ``mtp`` on the
+    mlx-lm trunk ``model`` (see the module doc)."""
+    lm = getattr(model, "language_model", model)
+    trunk = lm.model
+    tokens = mx.array(prompt)[None]
+    hs = trunk(tokens)
+
+    def head(x):
+        if text.get("tie_word_embeddings", False):
+            return trunk.embed_tokens.as_linear(x)
+        return lm.lm_head(x)
+
+    cache = KVCache()
+    normed = mtp.rows(hs[:, :-1], trunk.embed_tokens(tokens[:, 1:]), cache)
+    logits = head(normed)[0].astype(mx.float32)
+    chain_token = mx.argmax(logits[-1]).reshape(1).astype(mx.int32)
+    chained = mtp.rows(normed[:, -1:], trunk.embed_tokens(chain_token[None]), cache)
+    chain_logits = head(chained)[0, 0].astype(mx.float32)
+    mx.eval(logits, chain_logits)
+    mx.save_safetensors(
+        str(path / "mtp_reference.safetensors"),
+        {
+            "prompt": mx.array(prompt.astype(np.int32)),
+            "mtp_logits": logits,
+            "chain_token": chain_token,
+            "chain_logits": chain_logits,
+        },
+    )
+
+
 def make_mtp_fixture(out: Path, name: str, twin: str, to_hf, architecture: str, h) -> dict:
     """``h``: the fixture helpers (random_parameters, seed_for, reset_dir,
     write_reference, summarize, manifest_entry, reference_facts,
@@ -106,35 +137,9 @@ def make_mtp_fixture(out: Path, name: str, twin: str, to_hf, architecture: str, 
     twin_ref = mx.load(str(twin_dir / "reference.safetensors"))
     prompt = np.array(twin_ref["prompt"])
     ref = h.write_reference(path, prompt, path / "reference.safetensors")
-
     # The trunk from disk through mlx-lm (its sanitize drops `mtp.*`).
     model, _ = load_model(path)
-    lm = getattr(model, "language_model", model)
-    trunk = lm.model
-    tokens = mx.array(prompt)[None]
-    hs = trunk(tokens)
-
-    def head(x):
-        if text.get("tie_word_embeddings", False):
-            return trunk.embed_tokens.as_linear(x)
-        return lm.lm_head(x)
-
-    cache = KVCache()
-    normed = mtp.rows(hs[:, :-1], trunk.embed_tokens(tokens[:, 1:]), cache)
-    logits = head(normed)[0].astype(mx.float32)
-    chain_token = mx.argmax(logits[-1]).reshape(1).astype(mx.int32)
-    chained = mtp.rows(normed[:, -1:], trunk.embed_tokens(chain_token[None]), cache)
-    chain_logits = head(chained)[0, 0].astype(mx.float32)
-    mx.eval(logits, chain_logits)
-    mx.save_safetensors(
-        str(path / "mtp_reference.safetensors"),
-        {
-            "prompt": mx.array(prompt.astype(np.int32)),
-            "mtp_logits": logits,
-            "chain_token": chain_token,
-            "chain_logits": chain_logits,
-        },
-    )
+    write_mtp_reference(path, mtp, model, prompt, text)
     h.summarize(name, sum(v.size for v in weights.values()), ref)
     return h.manifest_entry(
         name,

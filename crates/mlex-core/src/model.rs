@@ -387,7 +387,8 @@ impl Model {
                     "--mtp",
                     format!(
                         "{file} holds no multi-token-prediction weights (`{}.fc.weight` and the \
-                         rest); mlx-lm's conversions drop them: use the Hugging Face checkpoint",
+                         rest); mlx-lm's conversions and GGUFs converted before llama.cpp kept the `nextn` \
+                         block drop them: use the Hugging Face checkpoint or a newer GGUF",
                         m.prefix
                     ),
                 ));

@@ -389,7 +389,7 @@ fn greedy_mtp_speculation_equals_plain() {
         .into_iter()
         .filter(|f| f.mtp_reference.is_some())
         .collect();
-    assert_eq!(with.len(), 2);
+    assert_eq!(with.len(), 3, "two Hugging Face checkpoints and a GGUF");
     let dispatch = mlex_models::dispatch().unwrap();
     for f in &with {
         for compiled in [true, false] {

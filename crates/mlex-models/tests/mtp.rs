@@ -1,7 +1,8 @@
 //! Multi-token-prediction heads against a reference nobody here wrote:
 //! mlx-lm's own decoder layer composed as vLLM and llama.cpp run the head
 //! (`xtask/py/mtp_ref.py`), on Hugging Face checkpoints of Qwen3-Next and
-//! Qwen3.5 with a whole random MTP block.
+//! Qwen3.5 with a whole random MTP block, and on a Qwen3.5 GGUF that holds
+//! one as llama.cpp's converter writes it (`blk.L`, `nextn.*`).
 
 use mlex_models::load::load_with_mtp;
 use mlex_testkit::*;
@@ -25,7 +26,11 @@ fn mtp_heads_match_the_composed_reference() {
         .into_iter()
         .filter(|f| f.mtp_reference.is_some())
         .collect();
-    assert_eq!(with.len(), 2, "qwen3_next-mtp-hf and qwen3_5-mtp-hf");
+    assert_eq!(
+        with.len(),
+        3,
+        "qwen3_next-mtp-hf, qwen3_5-mtp-hf and gguf-qwen3_5-mtp-f32"
+    );
     for f in with {
         let path = path_of(&f);
         let model = load_with_mtp(path.to_str().unwrap(), registry, &dispatch, true)
@@ -97,4 +102,20 @@ fn mtp_asked_of_a_checkpoint_without_one_names_the_option_and_the_file() {
         let m = load_with_mtp(path.to_str().unwrap(), registry, &dispatch, false).unwrap();
         assert!(m.model.mtp.is_none());
     }
+}
+
+#[test]
+fn mtp_asked_of_a_gguf_without_the_block_names_the_option_and_the_file() {
+    let registry = mlex_models::registry().unwrap();
+    let dispatch = mlex_models::dispatch().unwrap();
+    let path = path_of(&fixture("gguf-qwen3_5-f32"));
+    let e = load_with_mtp(path.to_str().unwrap(), registry, &dispatch, true)
+        .err()
+        .expect("a GGUF without blk.N.nextn.* gave a head")
+        .to_string();
+    assert!(e.contains("--mtp") && e.contains("model.gguf"), "{e}");
+    // The file that has the block loads it only when asked.
+    let with = path_of(&fixture("gguf-qwen3_5-mtp-f32"));
+    let m = load_with_mtp(with.to_str().unwrap(), registry, &dispatch, false).unwrap();
+    assert!(m.model.mtp.is_none());
 }

@@ -17,7 +17,8 @@
 //!   value heads are stored tiled (slot `j * nk + g` holds head `g * r + j`)
 //!   and are put back in grouped order in every tensor that has them,
 //!   including the input columns of `ssm_out`. Multi-token-prediction
-//!   blocks (`nextn_predict_layers`) are left out.
+//!   blocks (`nextn_predict_layers`, `blk.{n_layer + i}` with `nextn.*`)
+//!   become the checkpoint's `mtp.*` (norms already carry their +1).
 //! * NemotronH: `ssm_a`, `ssm_d` `[heads, 1]` and the grouped norm
 //!   `[groups, d_inner / groups]` are flattened, q/k rows leave LLaMA's
 //!   rotary interleave, and the per-layer `head_count_kv` and
@@ -525,13 +526,28 @@ fn qwen(
     let mut dense_layers = Vec::new();
     for i in 0..blocks {
         let b = |n: &str| format!("blk.{i}.{n}");
-        let l = format!("{prefix}model.layers.{i}");
-        if i >= layers {
-            // A multi-token-prediction block: not used for generation.
-            let p = format!("blk.{i}.");
-            tensors.map.retain(|n, _| !n.starts_with(&p));
-            continue;
-        }
+        let l = if i < layers {
+            format!("{prefix}model.layers.{i}")
+        } else {
+            // A multi-token-prediction block (llama.cpp keeps it after the
+            // trunk, its head's tensors as `nextn.*`): the `mtp.*` of the
+            // Hugging Face checkpoint, loaded with --mtp.
+            let m = format!("{prefix}mtp");
+            for (from, to) in [
+                ("nextn.eh_proj.weight", "fc"),
+                ("nextn.enorm.weight", "pre_fc_norm_embedding"),
+                ("nextn.hnorm.weight", "pre_fc_norm_hidden"),
+                ("nextn.shared_head_norm.weight", "norm"),
+            ] {
+                if let Some((t, ty)) = tensors.take(&b(from)) {
+                    out.put(&format!("{m}.{to}"), t, &ty, "weight");
+                }
+            }
+            // Copies of the trunk's embedding and head, where a file has them.
+            let own = format!("blk.{i}.nextn.");
+            tensors.map.retain(|n, _| !n.starts_with(&own));
+            format!("{m}.layers.{}", i - layers)
+        };
         let simple = [
             ("attn_norm.weight", "input_layernorm", "weight"),
             (
@@ -574,7 +590,7 @@ fn qwen(
                 out.put(&format!("{l}.{to}"), t, &ty, suffix);
             }
         }
-        if !out.weights.contains(&format!("{l}.mlp.gate.weight")) {
+        if i < layers && !out.weights.contains(&format!("{l}.mlp.gate.weight")) {
             dense_layers.push(i);
         }
         if let Some((t, ty)) = tensors.take(&b("ffn_gate_up_exps.weight")) {
@@ -761,6 +777,16 @@ fn qwen(
     );
     c.insert("full_attention_interval".into(), json!(interval));
     c.insert("tie_word_embeddings".into(), json!(tied));
+    let mtp_layers = blocks - layers;
+    c.insert(
+        if family == Family::Qwen3Next {
+            "num_nextn_predict_layers"
+        } else {
+            "mtp_num_hidden_layers"
+        }
+        .into(),
+        json!(mtp_layers),
+    );
     c.insert("attention_bias".into(), json!(attention_bias));
     if experts > 0 {
         let (_, used) = k.experts()?;

@@ -59,6 +59,7 @@ from typing import Callable, Optional
 import gguf
 import gguf_hybrid
 import mix_ref
+import kvq_ref
 import mtp_ref
 import tool_fixture
 import jinja2
@@ -1967,6 +1968,32 @@ def all_fixtures(smollm2_gguf: Optional[Path], qwen3_tokenizer: Optional[Path] =
         reference_facts=reference_facts,
         load_weight_files=load_weight_files,
     )
+    kv_helpers = types.SimpleNamespace(
+        random_model=random_model,
+        save_model=save_model,
+        save_config=save_config,
+        random_prompt=random_prompt,
+        text_config=text_config,
+        get_total_parameters=get_total_parameters,
+        **vars(helpers),
+    )
+
+    def head_dim_32(cfg: dict) -> dict:
+        t = text_config(cfg)
+        t["head_dim"] = 32
+        return cfg
+
+    for name, config in [
+        ("llama-kvq-f32", llama_config),
+        ("qwen3_5-kvq-f32", qwen3_5_config),
+        ("nemotron_h-kvq-f32", nemotron_h_config),
+    ]:
+        fixtures.append(
+            Fixture(
+                name,
+                lambda out, n=name, c=config: [kvq_ref.make_kvq_fixture(out, n, lambda: head_dim_32(c()), kv_helpers)],
+            )
+        )
     for name, twin, to_hf, arch in [
         ("qwen3_next-mtp-hf", "qwen3_next-moe-f32", hf_qwen3_next, "Qwen3NextForCausalLM"),
         ("qwen3_5-mtp-hf", "qwen3_5-f32", hf_qwen3_5, "Qwen3_5ForConditionalGeneration"),

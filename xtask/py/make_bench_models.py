@@ -138,7 +138,9 @@ DIMS = {
 # on the H200. Measures host work on a machine without a GPU.
 DIMS["host"] = dict(DIMS["tiny"], layers=28)
 CONV_KERNEL = 4
-MAX_POSITIONS = 32768
+# Room for the 64k-token runs of xtask/gpu/steps/kvq.sh (mlex refuses a
+# prompt longer than max_position_embeddings).
+MAX_POSITIONS = 131072
 NEMOTRON_UNIT = "M-M-M*-"
 
 

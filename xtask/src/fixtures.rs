@@ -47,6 +47,7 @@ pub fn fixtures() -> Result<PathBuf> {
         "gguf_hybrid.py",
         "mix_ref.py",
         "mtp_ref.py",
+        "kvq_ref.py",
         "tool_fixture.py",
         "dhara_ref.py",
         "requirements.txt",

@@ -9,7 +9,9 @@
 //! - [`ConcatKvCache`]: the naive cache that concatenates every step; the
 //!   reference for tests and the baseline for benchmarks.
 
-use mlex_core::cache::{AttentionMask, Cache, CacheTensors, KvAccess};
+use mlex_core::cache::{
+    AttentionMask, Cache, CacheTensors, KvAccess, KvQuantization, KV_WINDOW_KEEP,
+};
 use mlex_core::error::{Error, Result};
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::{ops, Array};
@@ -30,13 +32,13 @@ fn zeros_like_rows(like: &Array, rows: usize) -> Result<Array> {
     )?)
 }
 
-fn prefix(a: &Array, n: usize) -> Result<Array> {
+pub(crate) fn prefix(a: &Array, n: usize) -> Result<Array> {
     Ok(a.try_index((.., .., ..(n as i32), ..))?)
 }
 
 /// The mask for `n` queries over a cache that holds every past token: none
 /// for one query, causal (aligned to the last key) for more.
-fn full_cache_mask(n: usize) -> AttentionMask {
+pub(crate) fn full_cache_mask(n: usize) -> AttentionMask {
     if n == 1 {
         AttentionMask::None
     } else {
@@ -45,7 +47,7 @@ fn full_cache_mask(n: usize) -> AttentionMask {
 }
 
 /// KV caches keep no fixed-size state.
-fn meta_usize(meta: &BTreeMap<String, String>, key: &str) -> Result<usize> {
+pub(crate) fn meta_usize(meta: &BTreeMap<String, String>, key: &str) -> Result<usize> {
     meta.get(key)
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| Error::Cache(format!("saved cache lacks `{key}`")))
@@ -103,6 +105,11 @@ impl KvCache {
             offset,
         })
     }
+
+    /// The allocated key and value buffers (all of [`KvCache::capacity`]).
+    pub(crate) fn buffers(&self) -> Option<(&Array, &Array)> {
+        self.keys.as_ref().zip(self.values.as_ref())
+    }
 }
 
 impl KvAccess for KvCache {
@@ -154,6 +161,15 @@ impl KvAccess for KvCache {
 impl Cache for KvCache {
     fn kind(&self) -> &'static str {
         "kv"
+    }
+    fn with_max_kv_size(&self, max: usize) -> Option<Box<dyn Cache>> {
+        Some(Box::new(RotatingKvCache::new(max, KV_WINDOW_KEEP)))
+    }
+    fn with_kv_quantization(&self, q: KvQuantization) -> Option<Box<dyn Cache>> {
+        Some(Box::new(crate::quantized::QuantizedKvCache::from_kv(
+            self.clone(),
+            q,
+        )))
     }
     fn offset(&self) -> usize {
         self.offset

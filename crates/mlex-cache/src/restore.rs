@@ -3,6 +3,7 @@
 //! any a downstream crate registers).
 
 use crate::kv::{KvCache, RotatingKvCache};
+use crate::quantized::QuantizedKvCache;
 use crate::state::StateCache;
 
 mlex_core::register_cache_kind!(
@@ -16,6 +17,11 @@ mlex_core::register_cache_kind!(
     "concat_kv",
     "keys and values concatenated each step (reference); restored as `kv`",
     |t| Ok(Box::new(KvCache::from_tensors(t)?))
+);
+mlex_core::register_cache_kind!(
+    "quantized_kv",
+    "attention keys and values, quantized after a number of tokens (--kv-bits)",
+    |t| Ok(Box::new(QuantizedKvCache::from_tensors(t)?))
 );
 mlex_core::register_cache_kind!(
     "rotating_kv",

@@ -286,6 +286,76 @@ pub struct ModelArgs {
     /// Snapshot recurrent state every N prompt tokens for prefix reuse (0: only at each prompt's end).
     #[arg(long, value_name = "TOKENS", default_value_t = mlex_generate::DEFAULT_CHECKPOINT_EVERY)]
     pub checkpoint_every: usize,
+    /// Store attention keys and values quantized to this many bits (2, 3,
+    /// 4, 5, 6, 8) once a sequence has --quantized-kv-start tokens, as
+    /// mlx-lm's --kv-bits (single sequences: generate, chat, bench).
+    #[arg(long, value_name = "BITS", allow_negative_numbers = true)]
+    pub kv_bits: Option<i32>,
+    /// Values per scale and bias for --kv-bits (32, 64, 128; must divide
+    /// the attention head dim).
+    #[arg(
+        long,
+        value_name = "N",
+        allow_negative_numbers = true,
+        default_value_t = 64,
+        requires = "kv_bits"
+    )]
+    pub kv_group_size: i32,
+    /// With --kv-bits: tokens kept in full precision before the cache is
+    /// quantized (mlx-lm's default).
+    #[arg(
+        long,
+        value_name = "TOKENS",
+        default_value_t = 5000,
+        requires = "kv_bits"
+    )]
+    pub quantized_kv_start: usize,
+    /// Keep at most this many tokens in each full-attention KV cache,
+    /// rotating (the first 4 always kept), as mlx-lm's --max-kv-size; for
+    /// hybrids too (single sequences: generate, chat, bench).
+    #[arg(long, value_name = "TOKENS", conflicts_with = "kv_bits")]
+    pub max_kv_size: Option<usize>,
+}
+
+impl ModelArgs {
+    /// The KV-cache quantization `--kv-bits` asks for, checked.
+    pub fn kv_quantization(
+        &self,
+    ) -> mlex_core::error::Result<Option<mlex_core::cache::KvQuantization>> {
+        self.kv_bits
+            .map(|b| {
+                mlex_core::cache::KvQuantization::new(
+                    b,
+                    self.kv_group_size,
+                    self.quantized_kv_start,
+                )
+            })
+            .transpose()
+    }
+
+    /// The `--max-kv-size` window, checked.
+    pub fn max_kv_size(&self) -> mlex_core::error::Result<Option<usize>> {
+        self.max_kv_size
+            .map(mlex_core::cache::check_max_kv_size)
+            .transpose()
+    }
+
+    /// An error naming `--kv-bits` or `--max-kv-size` for `what` (a mode
+    /// whose caches are neither quantized nor bounded yet) when one is set.
+    pub fn refuse_kv_options(&self, what: &str) -> mlex_core::error::Result<()> {
+        let option = match (self.kv_bits, self.max_kv_size) {
+            (Some(_), _) => "--kv-bits",
+            (None, Some(_)) => "--max-kv-size",
+            (None, None) => return Ok(()),
+        };
+        Err(mlex_core::error::Error::invalid(
+            option,
+            format!(
+                "not yet with {what}: the batched engine's caches are unbounded and full precision \
+                 ({option} runs one sequence at a time: generate, chat, bench)"
+            ),
+        ))
+    }
 }
 
 /// Speculative decoding: a drafter proposes tokens and the model verifies

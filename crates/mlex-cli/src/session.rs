@@ -80,6 +80,8 @@ pub fn load_for(
     registry: &Registry,
 ) -> Result<LoadedModel> {
     let mtp = s.is_some_and(|s| s.mtp);
+    let kv = m.kv_quantization()?;
+    let window = m.max_kv_size()?;
     let mut loaded = load_model_mtp(&m.model, registry, &dispatch(Some(m))?, mtp)?;
     if let Some(bits) = m.quantize {
         let arch = registry.architecture(&loaded.model.arch)?;
@@ -102,6 +104,18 @@ pub fn load_for(
             loaded.model = model;
             loaded.fingerprint = mlex_models::load::fingerprint(&loaded.model)?;
         }
+    }
+    if let Some(max) = window {
+        loaded.model.max_kv_size = Some(max);
+        loaded.fingerprint = format!("{}-window{max}", loaded.fingerprint);
+    }
+    if let Some(q) = kv {
+        loaded.model.kv_quantization = Some(q);
+        // A prompt-cache file holds caches of one form.
+        loaded.fingerprint = format!(
+            "{}-kv{}g{}s{}",
+            loaded.fingerprint, q.bits, q.group_size, q.start
+        );
     }
     Ok(loaded)
 }

@@ -1877,3 +1877,178 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
         "{e}"
     );
 }
+
+/// `--kv-bits`: `generate` gives mlx-lm's tokens under its quantized cache
+/// (the `late` case of `xtask/py/kvq_ref.py`: 8 bits from token 20), bench
+/// reports the form, and the modes whose caches are not quantized yet say
+/// so, naming the option.
+#[test]
+fn kv_bits_follow_mlx_lm_and_bad_uses_name_the_option() {
+    let f = fixture("llama-kvq-f32");
+    let m = path_of(&f);
+    let r: std::collections::HashMap<String, mlx_rs::Array> =
+        mlx_rs::Array::load_safetensors(fixtures_dir().join(f.kv_reference.as_ref().unwrap()))
+            .unwrap();
+    let ints = |a: &mlx_rs::Array| -> Vec<i32> { to_f32(a).iter().map(|&x| x as i32).collect() };
+    let p = ints(&r["late.params"]);
+    let want = ints(&r["late.tokens"]);
+    let prompt = reference(&f).prompt.clone();
+    let (bits, group, start) = (p[0].to_string(), p[1].to_string(), p[2].to_string());
+    let kv = [
+        "--kv-bits",
+        bits.as_str(),
+        "--kv-group-size",
+        group.as_str(),
+        "--quantized-kv-start",
+        start.as_str(),
+    ];
+    let max = want.len().to_string();
+    let out = mlex()
+        .arg("generate")
+        .arg("--model")
+        .arg(&m)
+        .args(["--prompt-ids", &ids_arg(&prompt), "--max-tokens", &max])
+        .args(["--format", "json"])
+        .args(kv)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let got: Vec<i32> = last_json(&out)["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap() as i32)
+        .collect();
+    assert_eq!(got, want, "mlx-lm's tokens under its {bits}-bit cache");
+
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&m)
+        .args(["--prompt-len", "8", "--gen", "4", "--format", "json"])
+        .args(["--kv-bits", "4", "--kv-group-size", "32"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    assert_eq!(v["kv_quantization"]["bits"], 4, "{v}");
+    assert_eq!(v["kv_quantization"]["start"], 5000, "{v}");
+
+    let fails = |args: &[&str]| {
+        let a = mlex().args(args).arg("--model").arg(&m).assert().failure();
+        String::from_utf8_lossy(&a.get_output().stderr).into_owned()
+    };
+    let e = fails(&["generate", "--prompt-ids", "1,2", "--kv-bits", "7"]);
+    assert!(e.contains("--kv-bits") && e.contains('7'), "{e}");
+    let e = fails(&[
+        "generate",
+        "--prompt-ids",
+        "1,2",
+        "--kv-bits",
+        "4",
+        "--kv-group-size",
+        "48",
+    ]);
+    assert!(e.contains("--kv-group-size"), "{e}");
+    let e = fails(&["generate", "--prompt-ids", "1,2", "--kv-bits", "4"]);
+    assert!(e.contains("--kv-group-size") && e.contains("32"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("p.txt");
+    std::fs::write(&prompts, "a\nb\n").unwrap();
+    let e = fails(&[
+        "generate",
+        "--prompts-file",
+        prompts.to_str().unwrap(),
+        "--kv-bits",
+        "4",
+    ]);
+    assert!(
+        e.contains("--kv-bits") && e.contains("--prompts-file"),
+        "{e}"
+    );
+    let e = fails(&["serve", "--kv-bits", "4"]);
+    assert!(e.contains("--kv-bits") && e.contains("serve"), "{e}");
+}
+
+/// `--max-kv-size`: `generate` gives mlx-lm's tokens under its rotating
+/// window (the `window` case of `xtask/py/kvq_ref.py`: 10 tokens, the
+/// prompt 16), bench reports it, and the bad uses name the option.
+#[test]
+fn max_kv_size_follows_mlx_lm_and_bad_uses_name_the_option() {
+    let f = fixture("llama-kvq-f32");
+    let m = path_of(&f);
+    let r: std::collections::HashMap<String, mlx_rs::Array> =
+        mlx_rs::Array::load_safetensors(fixtures_dir().join(f.kv_reference.as_ref().unwrap()))
+            .unwrap();
+    let ints = |a: &mlx_rs::Array| -> Vec<i32> { to_f32(a).iter().map(|&x| x as i32).collect() };
+    let window = ints(&r["window.params"])[0].to_string();
+    let want = ints(&r["window.tokens"]);
+    let prompt = reference(&f).prompt.clone();
+    let max = want.len().to_string();
+    let out = mlex()
+        .arg("generate")
+        .arg("--model")
+        .arg(&m)
+        .args(["--prompt-ids", &ids_arg(&prompt), "--max-tokens", &max])
+        .args(["--format", "json", "--max-kv-size", &window])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let got: Vec<i32> = last_json(&out)["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap() as i32)
+        .collect();
+    assert_eq!(got, want, "mlx-lm's tokens in its {window}-token window");
+
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&m)
+        .args([
+            "--prompt-len",
+            "8",
+            "--gen",
+            "4",
+            "--format",
+            "json",
+            "--max-kv-size",
+            "6",
+        ])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let v = last_json(&out);
+    assert_eq!(v["max_kv_size"], 6, "{v}");
+
+    let fails = |args: &[&str]| {
+        let a = mlex().args(args).arg("--model").arg(&m).assert().failure();
+        String::from_utf8_lossy(&a.get_output().stderr).into_owned()
+    };
+    let e = fails(&["generate", "--prompt-ids", "1,2", "--max-kv-size", "4"]);
+    assert!(e.contains("--max-kv-size") && e.contains('4'), "{e}");
+    let e = fails(&[
+        "generate",
+        "--prompt-ids",
+        "1,2",
+        "--max-kv-size",
+        "64",
+        "--kv-bits",
+        "4",
+    ]);
+    assert!(
+        e.contains("--max-kv-size") && e.contains("--kv-bits"),
+        "{e}"
+    );
+    let e = fails(&["serve", "--max-kv-size", "64"]);
+    assert!(e.contains("--max-kv-size") && e.contains("serve"), "{e}");
+}

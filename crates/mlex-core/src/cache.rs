@@ -29,6 +29,82 @@ pub enum AttentionMask {
     Array(Array),
 }
 
+/// Keys and values stored quantized (mlx-lm's `QuantizedKVCache`,
+/// `--kv-bits`): a cache holds them in full precision until it has seen
+/// `start` tokens, then quantizes what it holds and everything after,
+/// `group_size` values of a head's row sharing a scale and a bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvQuantization {
+    /// Bits a value: 2, 3, 4, 5, 6 or 8.
+    pub bits: i32,
+    /// Values per scale and bias: 32, 64 or 128 (must divide the head dim).
+    pub group_size: i32,
+    /// Tokens kept in full precision before the cache is quantized (as
+    /// mlx-lm's `quantized_kv_start`, checked after each forward).
+    pub start: usize,
+}
+
+impl KvQuantization {
+    /// Checks the values against what MLX's affine quantization takes,
+    /// naming the option (`--kv-bits`, `--kv-group-size`).
+    pub fn new(bits: i32, group_size: i32, start: usize) -> Result<Self> {
+        if ![2, 3, 4, 5, 6, 8].contains(&bits) {
+            return Err(crate::error::Error::invalid(
+                "--kv-bits",
+                format!("{bits} is not one of 2, 3, 4, 5, 6, 8"),
+            ));
+        }
+        if ![32, 64, 128].contains(&group_size) {
+            return Err(crate::error::Error::invalid(
+                "--kv-group-size",
+                format!("{group_size} is not one of 32, 64, 128"),
+            ));
+        }
+        Ok(Self {
+            bits,
+            group_size,
+            start,
+        })
+    }
+}
+
+/// Tokens at the start of a sequence that a `--max-kv-size` window never
+/// evicts (mlx-lm's `make_prompt_cache` keeps 4: attention sinks).
+pub const KV_WINDOW_KEEP: usize = 4;
+
+/// Checks a `--max-kv-size` window: it must hold more than the
+/// [`KV_WINDOW_KEEP`] tokens it never evicts.
+pub fn check_max_kv_size(max: usize) -> Result<usize> {
+    if max <= KV_WINDOW_KEEP {
+        return Err(crate::error::Error::invalid(
+            "--max-kv-size",
+            format!("{max} must be larger than the {KV_WINDOW_KEEP} first tokens a window keeps"),
+        ));
+    }
+    Ok(max)
+}
+
+/// What attention reads from a growing cache after writing a step.
+pub enum KvRead {
+    /// Keys and values `[B, H, L, D]`.
+    Dense {
+        /// Keys.
+        keys: Array,
+        /// Values.
+        values: Array,
+    },
+    /// Keys and values as MLX's quantized triples (packed `uint32` rows,
+    /// scales, biases), for `quantized_matmul`.
+    Quantized {
+        /// Keys.
+        keys: [Array; 3],
+        /// Values.
+        values: [Array; 3],
+        /// How they were quantized.
+        quantization: KvQuantization,
+    },
+}
+
 /// Eager access to a growing key/value cache.
 pub trait KvAccess {
     /// Tokens written so far (the RoPE offset of the next token).
@@ -39,6 +115,12 @@ pub trait KvAccess {
     /// The mask for `n` new queries against what `update_and_fetch` returns
     /// (call before the update).
     fn mask(&self, n: usize) -> Result<AttentionMask>;
+    /// As [`KvAccess::update_and_fetch`], in the form the cache stores
+    /// (quantized caches override it; attention reads through this).
+    fn update_and_read(&mut self, keys: &Array, values: &Array) -> Result<KvRead> {
+        let (keys, values) = self.update_and_fetch(keys, values)?;
+        Ok(KvRead::Dense { keys, values })
+    }
     /// Per-sequence RoPE positions of the next token, `[B]` int32, when the
     /// sequences of a batch sit at different positions (a batched cache);
     /// `None` when every row is at [`KvAccess::offset`].
@@ -89,6 +171,21 @@ pub trait Cache: Send {
     /// Records that `n` tokens went through (fixed-size caches; growing
     /// caches count in `update_and_fetch`, and keep this no-op default).
     fn advance(&mut self, _n: usize) {}
+
+    /// A cache in place of this one that quantizes its keys and values as
+    /// `q` asks, where its kind can (the full-attention KV cache); `None`,
+    /// the default, keeps this one.
+    fn with_kv_quantization(&self, _q: KvQuantization) -> Option<Box<dyn Cache>> {
+        None
+    }
+
+    /// A cache in place of this empty one that keeps at most `max` tokens,
+    /// rotating (`--max-kv-size`, as mlx-lm's `RotatingKVCache` with
+    /// [`KV_WINDOW_KEEP`] tokens always kept), where its kind is unbounded
+    /// (the full-attention KV cache); `None`, the default, keeps this one.
+    fn with_max_kv_size(&self, _max: usize) -> Option<Box<dyn Cache>> {
+        None
+    }
 
     /// Eager KV access (growing caches only).
     fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {

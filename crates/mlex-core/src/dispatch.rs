@@ -56,6 +56,19 @@ pub struct Dispatch {
     /// float32 activations only at some shapes and none for a gathered
     /// (MoE) product. True when the default device is a CUDA GPU.
     pub dequantize_f32_products: bool,
+    /// Attention over a quantized KV cache (`--kv-bits`) dequantizes the
+    /// layer's keys and values and runs the fused attention, instead of
+    /// mlx-lm's quantized products: MLX's CUDA backend (0.32) has no
+    /// quantized-matmul kernel at attention's shapes (mlx-lm's own
+    /// `kv_bits` fails there). The cache stays quantized; only one
+    /// layer's keys are dequantized at a time. True when the default
+    /// device is a CUDA GPU.
+    pub dequantize_kv_reads: bool,
+    /// Attention under an array mask (a `--max-kv-size` window's prefill)
+    /// runs as ops in blocks of query rows: MLX's CUDA attention keeps a
+    /// `[H, T, L]` buffer of each masked call until the forward has run.
+    /// True on the CUDA backend.
+    pub masked_attention_ops: bool,
     /// Prompt tokens per prefill step (`--prefill-chunk`).
     pub prefill_chunk: usize,
 }
@@ -105,6 +118,8 @@ impl Dispatch {
             dense_product: None,
             fuse_projections: true,
             dequantize_f32_products: cuda_device,
+            dequantize_kv_reads: cuda_device,
+            masked_attention_ops: cuda,
             // A 4,096-token step prefills 7.7x faster than 512 on the H200;
             // on the CPU the step barely matters and 512 bounds the graph.
             prefill_chunk: if gpu { 4096 } else { 512 },
@@ -174,6 +189,8 @@ impl Dispatch {
             "ops_attention_rows": self.ops_attention_rows.map(|(lo, hi)| format!("{lo}-{hi}")),
             "fuse_projections": self.fuse_projections,
             "dequantize_f32_products": self.dequantize_f32_products,
+            "dequantize_kv_reads": self.dequantize_kv_reads,
+            "masked_attention_ops": self.masked_attention_ops,
             "prefill_chunk": self.prefill_chunk,
         })
     }

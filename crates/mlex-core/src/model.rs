@@ -120,6 +120,13 @@ pub struct Model {
     pub dispatch: Dispatch,
     /// The multi-token-prediction head, when loaded ([`Model::build_with`]).
     pub mtp: Option<crate::mtp::MtpHead>,
+    /// Quantized keys and values in the caches [`Model::make_cache`] makes
+    /// (`--kv-bits`; `None`: full precision).
+    pub kv_quantization: Option<crate::cache::KvQuantization>,
+    /// At most this many tokens in each full-attention KV cache
+    /// [`Model::make_cache`] makes, rotating (`--max-kv-size`; `None`:
+    /// unbounded). Sliding-window layers keep their own window.
+    pub max_kv_size: Option<usize>,
 }
 
 /// The caches of a whole model: one list per layer.
@@ -497,6 +504,8 @@ impl Model {
             quantization,
             dispatch: dispatch.clone(),
             mtp,
+            kv_quantization: None,
+            max_kv_size: None,
         })
     }
 
@@ -509,7 +518,20 @@ impl Model {
     pub fn make_cache(&self, batch: usize) -> Result<ModelCache> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for slot in &self.layers {
-            layers.push(slot.layer.make_caches(batch, self.dtype)?);
+            let mut caches = slot.layer.make_caches(batch, self.dtype)?;
+            if let Some(max) = self.max_kv_size {
+                caches = caches
+                    .into_iter()
+                    .map(|c| c.with_max_kv_size(max).unwrap_or(c))
+                    .collect();
+            }
+            if let Some(q) = self.kv_quantization {
+                caches = caches
+                    .into_iter()
+                    .map(|c| c.with_kv_quantization(q).unwrap_or(c))
+                    .collect();
+            }
+            layers.push(caches);
         }
         Ok(ModelCache { layers })
     }

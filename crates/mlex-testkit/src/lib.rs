@@ -36,6 +36,10 @@ pub struct Fixture {
     /// (`xtask/py/mtp_ref.py`), when it has one.
     #[serde(default)]
     pub mtp_reference: Option<String>,
+    /// mlx-lm's traces with a quantized KV cache (`xtask/py/kvq_ref.py`),
+    /// when the fixture has them.
+    #[serde(default)]
+    pub kv_reference: Option<String>,
 }
 
 impl Fixture {

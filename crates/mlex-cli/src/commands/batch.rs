@@ -132,6 +132,7 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
             "speculative decoding (--lookup, --draft-model, --mtp) runs one prompt at a time for now; drop one of them",
         ));
     }
+    a.model.refuse_kv_options("--prompts-file")?;
     let content = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
     let loaded = load_with(&a.model, registry)?;
     let vocab = loaded.model.vocab_size() as usize;

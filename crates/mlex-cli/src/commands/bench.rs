@@ -26,6 +26,9 @@ fn prompt_ids_seeded(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 }
 
 pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
+    if a.batch.is_some() {
+        a.model.refuse_kv_options("--batch")?;
+    }
     if a.prompt_len == 0 || a.gen < 2 {
         return Err(Error::invalid(
             "--prompt-len/--gen",
@@ -114,6 +117,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
             r.tokens.len(),
             r.decode_tok_s()
         );
+        print_kv_form(&g.model);
         println!("peak memory    {:.3} GB", peak as f64 / 1e9);
     }
     let out = json!({
@@ -130,12 +134,29 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         "decode_tok_s": r.decode_tok_s(),
         "ttft_s": r.prefill_s,
         "peak_memory_bytes": peak,
+        "kv_quantization": g.model.kv_quantization.map(|q| json!({
+            "bits": q.bits, "group_size": q.group_size, "start": q.start,
+        })),
+        "max_kv_size": g.model.max_kv_size,
         "speculative": r.speculative.as_ref().map(super::generate::speculative_json),
     });
     if a.format == Format::Json {
         println!("{out}");
     }
     Ok(())
+}
+
+/// The KV cache's form (`--kv-bits`, `--max-kv-size`), when not the default.
+fn print_kv_form(m: &mlex_core::model::Model) {
+    if let Some(q) = m.kv_quantization {
+        println!(
+            "kv cache       {}-bit, groups of {}, from token {}",
+            q.bits, q.group_size, q.start
+        );
+    }
+    if let Some(max) = m.max_kv_size {
+        println!("kv window      {max} tokens (rotating)");
+    }
 }
 
 /// The median and the range of `v`.

@@ -77,6 +77,7 @@ pub fn run(a: PerplexityArgs, registry: &Registry) -> Result<()> {
             format!("{stride} is longer than --context {context}"),
         ));
     }
+    a.model.refuse_kv_options("mlex perplexity")?;
     let docs = documents(&a.data)?;
     let loaded = load_with(&a.model, registry)?;
     let tok = tokenizer_for(&loaded)?;

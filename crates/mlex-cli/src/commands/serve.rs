@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
+    a.model.refuse_kv_options("mlex serve")?;
     let model_id = a.served_model_name.clone().unwrap_or_else(|| {
         let trimmed = a.model.model.trim_end_matches('/');
         trimmed.rsplit('/').next().unwrap_or(trimmed).to_owned()

@@ -14,10 +14,10 @@
 
 use super::canon::{Canon, CanonOptions};
 use super::rope::Rope;
-use super::sdpa::attend;
+use super::sdpa::{attend, quantized_attend};
 use crate::block::size;
 use mlex_cache::{KvCache, RotatingKvCache, StateCache};
-use mlex_core::cache::Cache;
+use mlex_core::cache::{Cache, KvRead};
 use mlex_core::error::{Error, Result};
 use mlex_core::layer::{BuildCtx, Carry, Mixer, State, StateKind};
 use mlex_core::nn::{FusedLinear, Linear, RmsNorm};
@@ -141,6 +141,10 @@ pub struct Attention {
     attention_f32: bool,
     /// Causal query rows that attend as ops ([`attend`]).
     ops_attention_rows: Option<(i32, i32)>,
+    /// [`Dispatch::dequantize_kv_reads`](mlex_core::dispatch::Dispatch).
+    dequantize_kv_reads: bool,
+    /// [`Dispatch::masked_attention_ops`](mlex_core::dispatch::Dispatch).
+    masked_attention_ops: bool,
     hidden: i32,
 }
 
@@ -287,6 +291,8 @@ impl Attention {
             window: o.sliding_window,
             attention_f32: o.attention_f32,
             ops_attention_rows: ctx.weights.dispatch().ops_attention_rows,
+            dequantize_kv_reads: ctx.weights.dispatch().dequantize_kv_reads,
+            masked_attention_ops: ctx.weights.dispatch().masked_attention_ops,
             hidden,
         })
     }
@@ -496,7 +502,38 @@ impl Mixer for Attention {
         }
         let n = q.shape()[2] as usize;
         let mask = kv.mask(n)?;
-        let (keys, values) = kv.update_and_fetch(&k, &v)?;
+        let (keys, values) = match kv.update_and_read(&k, &v)? {
+            KvRead::Dense { keys, values } => (keys, values),
+            KvRead::Quantized {
+                keys,
+                values,
+                quantization: g,
+            } if self.dequantize_kv_reads => {
+                let dq =
+                    |t: &[Array; 3]| ops::dequantize(&t[0], &t[1], &t[2], g.group_size, g.bits);
+                (dq(&keys)?, dq(&values)?)
+            }
+            KvRead::Quantized {
+                keys,
+                values,
+                quantization,
+            } => {
+                let q = if self.attention_f32 {
+                    q.as_dtype(Dtype::Float32)?
+                } else {
+                    q
+                };
+                let o = quantized_attend(&q, &keys, &values, self.scale, &mask, &quantization)?;
+                let o = if self.attention_f32 {
+                    o.as_dtype(v.dtype())?
+                } else {
+                    o
+                };
+                let mut out = vec![o];
+                out.extend(gate);
+                return Ok(out);
+            }
+        };
         let out_dtype = values.dtype();
         let (q, keys) = if self.attention_f32 {
             (q.as_dtype(Dtype::Float32)?, keys.as_dtype(Dtype::Float32)?)
@@ -510,6 +547,7 @@ impl Mixer for Attention {
             self.scale,
             &mask,
             self.ops_attention_rows,
+            self.masked_attention_ops,
         )?;
         let o = if self.attention_f32 {
             o.as_dtype(out_dtype)?

@@ -16,14 +16,16 @@
 //!
 //! [`Dispatch::ops_attention_rows`]: mlex_core::dispatch::Dispatch::ops_attention_rows
 
-use mlex_core::cache::AttentionMask;
+use mlex_core::cache::{AttentionMask, KvQuantization};
 use mlex_core::error::Result;
 use mlx_rs::fast::ScaledDotProductAttentionMask;
-use mlx_rs::{fast, ops, Array};
+use mlx_rs::ops::indexing::TryIndexOp;
+use mlx_rs::{fast, ops, Array, Dtype};
 
 /// Attention of `q` `[B, Hq, T, D]` over `keys`/`values` `[B, Hkv, L, D]`
 /// (`Hq` a multiple of `Hkv`) under `mask`; a causal call of a row count
-/// in `ops_rows` over a longer cache (`T < L`) runs as ops.
+/// in `ops_rows` over a longer cache (`T < L`) runs as ops, and so does an
+/// array mask of one sequence when `masked_as_ops` ([`masked_ops`]).
 pub fn attend(
     q: &Array,
     keys: &Array,
@@ -31,6 +33,7 @@ pub fn attend(
     scale: f32,
     mask: &AttentionMask,
     ops_rows: Option<(i32, i32)>,
+    masked_as_ops: bool,
 ) -> Result<Array> {
     let (t, l) = (q.shape()[2], keys.shape()[2]);
     Ok(match mask {
@@ -50,18 +53,69 @@ pub fn attend(
             ScaledDotProductAttentionMask::Causal,
             None,
         )?,
+        AttentionMask::Array(m) if masked_as_ops && leading_ones(m) => {
+            masked_ops(q, keys, values, scale, m)?
+        }
         AttentionMask::Array(m) => {
             fast::scaled_dot_product_attention(q, keys, values, scale, m, None)?
         }
     })
 }
 
-/// The ops form of causal attention with the queries aligned to the last
-/// keys (query `i` of `T` sees keys `0..=L - T + i`).
-pub fn causal_ops(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result<Array> {
+/// True when every axis of `m` before its last two is 1 (one mask for
+/// every sequence and head).
+fn leading_ones(m: &Array) -> bool {
+    let s = m.shape();
+    s[..s.len().saturating_sub(2)].iter().all(|&x| x == 1)
+}
+
+/// Query rows a masked attention call takes at once as ops
+/// ([`masked_ops`]).
+pub const MASKED_ROWS: i32 = 512;
+
+/// Attention under an array mask (a `--max-kv-size` window's prefill) as
+/// ops, [`MASKED_ROWS`] query rows at a time: rows are independent, so the
+/// blocks give one call's result in bounded memory. On CUDA, MLX's
+/// attention under an array mask keeps a `[H, T, L]` buffer of every call
+/// until the whole forward has run (30 GB for a 28-layer model at a
+/// 4,096-token step over a 4,096-token window, `docs/BENCHMARKS.md`).
+pub fn masked_ops(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    mask: &Array,
+) -> Result<Array> {
+    let t = q.shape()[2];
+    let n = mask.ndim();
+    // A [T, L] mask, or one whose leading axes are 1.
+    let m = ops::reshape(mask, &mask.shape()[n.saturating_sub(2)..])?;
+    let mut parts = Vec::new();
+    for a in (0..t).step_by(MASKED_ROWS as usize) {
+        let b = (a + MASKED_ROWS).min(t);
+        let qb = q.try_index((.., .., a..b, ..))?;
+        let mb = if m.shape()[0] == t {
+            m.try_index((a..b, ..))?
+        } else {
+            m.clone()
+        };
+        parts.push(visible_ops(&qb, keys, values, scale, &mb)?);
+    }
+    Ok(ops::concatenate(&parts, 2)?)
+}
+
+/// Attention as ops where `visible` (`[T, L]`: bool, or added to the
+/// scores) says which keys each query sees; grouped heads broadcast.
+fn visible_ops(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    visible: &Array,
+) -> Result<Array> {
     let s = q.shape().to_vec();
     let (b, hq, t, d) = (s[0], s[1], s[2], s[3]);
-    let (hkv, l) = (keys.shape()[1], keys.shape()[2]);
+    let hkv = keys.shape()[1];
     let rep = hq / hkv;
     // Grouped heads: [B, Hkv, rep, T, D] against [B, Hkv, 1, L, D].
     let q = ops::reshape(
@@ -71,14 +125,102 @@ pub fn causal_ops(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result
     let k = ops::expand_dims(keys, 2)?;
     let v = ops::expand_dims(values, 2)?;
     let scores = ops::matmul(&q, &k.swap_axes(-1, -2)?)?;
-    let rows = ops::add(&ops::arange::<_, i32>(0, t, None)?, Array::from_int(l - t))?;
-    let cols = ops::arange::<_, i32>(0, l, None)?;
-    let visible = ops::ge(&ops::expand_dims(&rows, 1)?, &ops::expand_dims(&cols, 0)?)?;
-    let floor = Array::from_f32(f32::NEG_INFINITY).as_dtype(scores.dtype())?;
-    let scores = ops::select(&visible, &scores, &floor)?;
+    let scores = if visible.dtype() == Dtype::Bool {
+        let floor = Array::from_f32(f32::NEG_INFINITY).as_dtype(scores.dtype())?;
+        ops::select(visible, &scores, &floor)?
+    } else {
+        ops::add(&scores, visible)?
+    };
     let p = ops::softmax_axis(&scores, -1, true)?;
     let o = ops::matmul(&p, &v)?;
     Ok(ops::reshape(&o, &[b, hq, t, d])?)
+}
+
+/// The ops form of causal attention with the queries aligned to the last
+/// keys (query `i` of `T` sees keys `0..=L - T + i`).
+pub fn causal_ops(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result<Array> {
+    let (t, l) = (q.shape()[2], keys.shape()[2]);
+    let rows = ops::add(&ops::arange::<_, i32>(0, t, None)?, Array::from_int(l - t))?;
+    let cols = ops::arange::<_, i32>(0, l, None)?;
+    let visible = ops::ge(&ops::expand_dims(&rows, 1)?, &ops::expand_dims(&cols, 0)?)?;
+    visible_ops(q, keys, values, scale, &visible)
+}
+
+/// The most negative finite value of `dtype` (NumPy's `finfo(dtype).min`,
+/// what mlx-lm fills masked scores with).
+fn finfo_min(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::Bfloat16 => -3.389_531_4e38,
+        Dtype::Float16 => -65_504.0,
+        _ => f32::MIN,
+    }
+}
+
+/// Attention over quantized keys and values (mlx-lm's
+/// `quantized_scaled_dot_product_attention`): the queries scaled, scores
+/// and weighted values by `quantized_matmul`, grouped heads as a broadcast
+/// axis, a causal mask aligned to the last key, precise softmax.
+pub fn quantized_attend(
+    q: &Array,
+    keys: &[Array; 3],
+    values: &[Array; 3],
+    scale: f32,
+    mask: &AttentionMask,
+    quantization: &KvQuantization,
+) -> Result<Array> {
+    let s = q.shape().to_vec();
+    let (b, hq, t, d) = (s[0], s[1], s[2], s[3]);
+    let hkv = keys[0].shape()[1];
+    let rep = hq / hkv;
+    let mut q = ops::multiply(q, Array::from_f32(scale).as_dtype(q.dtype())?)?;
+    let grouped = |t: &[Array; 3]| -> Result<Vec<Array>> {
+        t.iter()
+            .map(|a| {
+                Ok(if rep > 1 {
+                    ops::expand_dims(a, -3)?
+                } else {
+                    a.clone()
+                })
+            })
+            .collect()
+    };
+    let (k, v) = (grouped(keys)?, grouped(values)?);
+    if rep > 1 {
+        q = ops::reshape(&q, &[b, hkv, rep, t, d])?;
+    }
+    let (g, bits) = (quantization.group_size, quantization.bits);
+    let mut scores = ops::quantized_matmul(&q, &k[0], &k[1], &k[2], true, g, bits)?;
+    let floor = || Array::from_f32(finfo_min(scores.dtype())).as_dtype(scores.dtype());
+    match mask {
+        AttentionMask::None => {}
+        AttentionMask::Causal => {
+            let n = scores.shape().len();
+            let (ql, kl) = (scores.shape()[n - 2], scores.shape()[n - 1]);
+            let rows = ops::arange::<_, i32>(kl - ql, kl, None)?;
+            let cols = ops::arange::<_, i32>(0, kl, None)?;
+            let visible = ops::ge(&ops::expand_dims(&rows, 1)?, &ops::expand_dims(&cols, 0)?)?;
+            scores = ops::select(&visible, &scores, &floor()?)?;
+        }
+        AttentionMask::Array(m) => {
+            let m = if rep > 1 && m.ndim() > 3 {
+                ops::expand_dims(m, -3)?
+            } else {
+                m.clone()
+            };
+            scores = if m.dtype() == Dtype::Bool {
+                ops::select(&m, &scores, &floor()?)?
+            } else {
+                ops::add(&scores, &m)?
+            };
+        }
+    }
+    let p = ops::softmax_axis(&scores, -1, true)?;
+    let o = ops::quantized_matmul(&p, &v[0], &v[1], &v[2], false, g, bits)?;
+    Ok(if rep > 1 {
+        ops::reshape(&o, &[b, hq, t, d])?
+    } else {
+        o
+    })
 }
 
 #[cfg(test)]
@@ -121,7 +263,16 @@ mod tests {
                 .map(|(x, y)| (x - y).abs())
                 .fold(0f32, f32::max);
             assert!(worst < 1e-5, "T={t} L={l}: {worst}");
-            let via = attend(&q, &k, &v, 0.3, &AttentionMask::Causal, Some((2, 32))).unwrap();
+            let via = attend(
+                &q,
+                &k,
+                &v,
+                0.3,
+                &AttentionMask::Causal,
+                Some((2, 32)),
+                false,
+            )
+            .unwrap();
             assert_eq!(values(&via), a, "T={t} L={l}: attend");
         }
         // A wrong alignment (queries at the first keys) would differ.
@@ -131,5 +282,41 @@ mod tests {
         let full = fast::scaled_dot_product_attention(&q, &k, &v, 0.3, None, None).unwrap();
         let causal = causal_ops(&q, &k, &v, 0.3).unwrap();
         assert_ne!(values(&full), values(&causal));
+    }
+
+    /// An array-masked call of more than [`MASKED_ROWS`] rows, as ops in
+    /// row blocks, equals MLX's one call (a window mask, grouped heads).
+    #[test]
+    fn masked_row_blocks_equal_one_call() {
+        let (t, l) = (MASKED_ROWS + 77, MASKED_ROWS + 200);
+        let q = random(&[1, 4, t, 8], 7);
+        let k = random(&[1, 2, l, 8], 8);
+        let v = random(&[1, 2, l, 8], 9);
+        let rows = ops::add(
+            ops::arange::<_, i32>(0, t, None).unwrap(),
+            Array::from_int(l - t),
+        )
+        .unwrap();
+        let rows = ops::expand_dims(&rows, 1).unwrap();
+        let cols = ops::expand_dims(ops::arange::<_, i32>(0, l, None).unwrap(), 0).unwrap();
+        let causal = ops::ge(&rows, &cols).unwrap();
+        let window = ops::lt(&rows, ops::add(&cols, Array::from_int(100)).unwrap()).unwrap();
+        let mask = ops::logical_and(&causal, &window).unwrap();
+        let want = fast::scaled_dot_product_attention(&q, &k, &v, 0.3, &mask, None).unwrap();
+        let mask = AttentionMask::Array(mask);
+        let got = attend(&q, &k, &v, 0.3, &mask, None, true).unwrap();
+        assert_eq!(got.shape(), want.shape());
+        let worst = values(&got)
+            .iter()
+            .zip(&values(&want))
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "{worst}");
+        let fused = attend(&q, &k, &v, 0.3, &mask, None, false).unwrap();
+        assert_eq!(
+            values(&fused),
+            values(&want),
+            "MLX's own call without the switch"
+        );
     }
 }

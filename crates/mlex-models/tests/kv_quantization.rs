@@ -1,0 +1,264 @@
+//! Quantized KV caches (`--kv-bits`) and bounded KV windows
+//! (`--max-kv-size`) against mlx-lm's own: its `generate_step` with
+//! `kv_bits`, and with its `RotatingKVCache` in place of each
+//! full-attention cache, on the same random checkpoints
+//! (`xtask/py/kvq_ref.py`), the same prefill schedule (`prompt[:-1]` in
+//! steps, then the last token), greedy tokens equal and log-probabilities
+//! within 1e-4 of the largest.
+
+use mlex_core::cache::KvQuantization;
+use mlex_core::model::Model;
+use mlex_testkit::*;
+use mlx_rs::Array;
+use std::collections::HashMap;
+
+fn log_softmax(row: &[f32]) -> Vec<f32> {
+    let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let s: f32 = row.iter().map(|x| (x - m).exp()).sum();
+    row.iter().map(|x| x - m - s.ln()).collect()
+}
+
+/// mlx-lm's schedule: the greedy tokens and each step's log-probabilities.
+fn trace(model: &Model, prompt: &[i32], step: usize, n: usize) -> (Vec<i32>, Vec<Vec<f32>>) {
+    let mut cache = model.make_cache(1).unwrap();
+    let mut pos = 0;
+    while prompt.len() - pos > 1 {
+        let take = step.min(prompt.len() - 1 - pos);
+        model
+            .forward_hidden(&tokens(&prompt[pos..pos + take]), &mut cache)
+            .unwrap();
+        mlx_rs::transforms::eval(cache.arrays().iter()).unwrap();
+        pos += take;
+    }
+    let mut logits = model
+        .forward_last(&tokens(&prompt[pos..]), &mut cache)
+        .unwrap();
+    let (mut out, mut rows) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let lp = log_softmax(&to_f32(&logits));
+        let t = argmax(&lp);
+        out.push(t);
+        rows.push(lp);
+        logits = model.forward_last(&tokens(&[t]), &mut cache).unwrap();
+    }
+    (out, rows)
+}
+
+fn load(f: &Fixture) -> Model {
+    load_dispatched(f, |_| {})
+}
+
+/// With the dispatch choices `choose` makes (CUDA's, on this backend).
+fn load_dispatched(f: &Fixture, choose: impl Fn(&mut mlex_core::dispatch::Dispatch)) -> Model {
+    let registry = mlex_models::registry().unwrap();
+    let mut dispatch = mlex_models::dispatch().unwrap();
+    choose(&mut dispatch);
+    mlex_models::load::load_with_mtp(path_of(f).to_str().unwrap(), registry, &dispatch, false)
+        .unwrap()
+        .model
+}
+
+fn ints(a: &Array) -> Vec<i32> {
+    to_f32(a).iter().map(|&x| x as i32).collect()
+}
+
+#[test]
+fn quantized_kv_follows_mlx_lm() {
+    let with: Vec<Fixture> = fixtures()
+        .into_iter()
+        .filter(|f| f.kv_reference.is_some())
+        .collect();
+    assert_eq!(with.len(), 3, "llama, qwen3_5 and nemotron_h kvq fixtures");
+    for f in with {
+        let mut model = load(&f);
+        let prompt = reference(&f).prompt.clone();
+        let r: HashMap<String, Array> =
+            Array::load_safetensors(fixtures_dir().join(f.kv_reference.as_ref().unwrap())).unwrap();
+        let plain = trace(&model, &prompt, 2048, 8);
+        for case in ["early", "late"] {
+            let p = ints(&r[&format!("{case}.params")]);
+            let want_tokens = ints(&r[&format!("{case}.tokens")]);
+            model.kv_quantization = Some(KvQuantization::new(p[0], p[1], p[2] as usize).unwrap());
+            let (got_tokens, got) = trace(&model, &prompt, p[3] as usize, want_tokens.len());
+            assert_eq!(got_tokens, want_tokens, "{} {case}: tokens", f.name);
+            assert_close(
+                &got,
+                &to_f32(&r[&format!("{case}.logprobs")]),
+                &format!("{} {case}", f.name),
+            );
+            // CUDA's form (dequantized keys, the fused attention): the
+            // same tokens, log-probabilities as close.
+            let mut dq = load_dispatched(&f, |d| d.dequantize_kv_reads = true);
+            dq.kv_quantization = model.kv_quantization;
+            let (dq_tokens, dq_rows) = trace(&dq, &prompt, p[3] as usize, want_tokens.len());
+            assert_eq!(
+                dq_tokens, want_tokens,
+                "{} {case}: dequantized reads, tokens",
+                f.name
+            );
+            assert_close(
+                &dq_rows,
+                &to_f32(&r[&format!("{case}.logprobs")]),
+                &format!("{} {case} dequantized", f.name),
+            );
+            if case == "early" {
+                // Quantized keys change what the model computes: the
+                // comparison above is of the quantized path.
+                let (d, _) = max_diff(&got[0], &plain.1[0]);
+                assert!(
+                    d > 1e-3,
+                    "{}: 4-bit KV left the logits as they were",
+                    f.name
+                );
+            }
+        }
+        model.kv_quantization = None;
+    }
+}
+
+/// Within 1e-4 of the largest log-probability at every step.
+fn assert_close(got: &[Vec<f32>], want: &[f32], what: &str) {
+    let v = want.len() / got.len();
+    for (i, row) in got.iter().enumerate() {
+        let (d, scale) = max_diff(row, &want[i * v..(i + 1) * v]);
+        assert!(
+            d <= 1e-4 * scale.max(1.0),
+            "{what}: step {i} differs by {d}"
+        );
+    }
+}
+
+#[test]
+fn a_bounded_kv_window_follows_mlx_lm() {
+    for f in fixtures().into_iter().filter(|f| f.kv_reference.is_some()) {
+        let mut model = load(&f);
+        let prompt = reference(&f).prompt.clone();
+        let r: HashMap<String, Array> =
+            Array::load_safetensors(fixtures_dir().join(f.kv_reference.as_ref().unwrap())).unwrap();
+        let plain = trace(&model, &prompt, 2048, 1);
+        for case in ["window", "window_steps"] {
+            let p = ints(&r[&format!("{case}.params")]);
+            let want_tokens = ints(&r[&format!("{case}.tokens")]);
+            assert_eq!(
+                p[1] as usize,
+                mlex_core::cache::KV_WINDOW_KEEP,
+                "kept tokens"
+            );
+            model.max_kv_size = Some(p[0] as usize);
+            let kinds: Vec<&str> = model
+                .make_cache(1)
+                .unwrap()
+                .layers
+                .iter()
+                .flatten()
+                .map(|c| c.kind())
+                .collect();
+            assert!(
+                kinds.contains(&"rotating_kv") && !kinds.contains(&"kv"),
+                "{kinds:?}"
+            );
+            let (got_tokens, got) = trace(&model, &prompt, p[2] as usize, want_tokens.len());
+            assert_eq!(got_tokens, want_tokens, "{} {case}: tokens", f.name);
+            assert_close(
+                &got,
+                &to_f32(&r[&format!("{case}.logprobs")]),
+                &format!("{} {case}", f.name),
+            );
+            // CUDA's form (masked attention as ops): as close.
+            let mut ops = load_dispatched(&f, |d| d.masked_attention_ops = true);
+            ops.max_kv_size = model.max_kv_size;
+            let (ops_tokens, ops_rows) = trace(&ops, &prompt, p[2] as usize, want_tokens.len());
+            assert_eq!(
+                ops_tokens, want_tokens,
+                "{} {case}: masked attention as ops, tokens",
+                f.name
+            );
+            assert_close(
+                &ops_rows,
+                &to_f32(&r[&format!("{case}.logprobs")]),
+                &format!("{} {case} as ops", f.name),
+            );
+            // The 16-token prompt overflows the window: what is compared is
+            // the bounded path.
+            let (d, _) = max_diff(&got[0], &plain.1[0]);
+            assert!(
+                d > 1e-3,
+                "{}: the window left the logits as they were",
+                f.name
+            );
+        }
+        model.max_kv_size = None;
+    }
+    let e = mlex_core::cache::check_max_kv_size(4)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--max-kv-size") && e.contains('4'), "{e}");
+}
+
+#[test]
+fn a_group_that_does_not_divide_the_head_dim_names_the_option() {
+    let mut model = load(&fixture("llama-f32"));
+    model.kv_quantization = Some(KvQuantization::new(4, 32, 0).unwrap());
+    let mut cache = model.make_cache(1).unwrap();
+    let e = model
+        .forward_hidden(&tokens(&[1, 2, 3]), &mut cache)
+        .expect_err("head dim 16 took groups of 32")
+        .to_string();
+    assert!(e.contains("--kv-group-size") && e.contains("16"), "{e}");
+    for (bits, group, what) in [(7, 64, "--kv-bits"), (4, 48, "--kv-group-size")] {
+        let e = KvQuantization::new(bits, group, 0).unwrap_err().to_string();
+        assert!(e.contains(what), "{e}");
+    }
+}
+
+/// Trimming (speculative rollback, prefix reuse) and the saved form keep a
+/// quantized cache exact: a cache restored from its tensors, and one fed
+/// four tokens and trimmed back, give what the untouched one gives.
+#[test]
+fn a_quantized_cache_trims_and_restores_exactly() {
+    let f = fixture("qwen3_5-kvq-f32");
+    let mut model = load(&f);
+    model.kv_quantization = Some(KvQuantization::new(4, 32, 0).unwrap());
+    let prompt = reference(&f).prompt.clone();
+    let mut cache = model.make_cache(1).unwrap();
+    model
+        .forward_hidden(&tokens(&prompt[..8]), &mut cache)
+        .unwrap();
+    let kinds: Vec<&str> = cache.layers.iter().flatten().map(|c| c.kind()).collect();
+    assert!(
+        kinds.contains(&"quantized_kv") && !kinds.contains(&"kv"),
+        "{kinds:?}"
+    );
+    let next = tokens(&prompt[8..12]);
+    let want = to_f32(&model.forward_last(&next, &mut cache.clone()).unwrap());
+
+    let mut restored = mlex_core::model::ModelCache {
+        layers: cache
+            .layers
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .map(|c| mlex_core::registry::restore_cache(c.kind(), &c.to_tensors()).unwrap())
+                    .collect()
+            })
+            .collect(),
+    };
+    let again = to_f32(&model.forward_last(&next, &mut restored).unwrap());
+    assert_eq!(again, want, "restored from its saved form");
+
+    // Fed four tokens, then KV trimmed back four (a hybrid's recurrent
+    // state comes back from the clone, as a speculative commit picks it).
+    let mut fed = cache.clone();
+    model.forward_hidden(&next, &mut fed).unwrap();
+    for (l, s) in fed.layers.iter_mut().zip(&cache.layers) {
+        for (c, s) in l.iter_mut().zip(s) {
+            if c.kind() == "quantized_kv" {
+                assert_eq!(c.trim(4), 4);
+            } else {
+                *c = s.clone();
+            }
+        }
+    }
+    let trimmed = to_f32(&model.forward_last(&next, &mut fed).unwrap());
+    assert_eq!(trimmed, want, "fed, trimmed back and fed again");
+}

@@ -520,6 +520,7 @@ impl Model {
         for slot in &self.layers {
             let mut caches = slot.layer.make_caches(batch, self.dtype)?;
             if let Some(max) = self.max_kv_size {
+                let max = crate::cache::check_max_kv_size(max)?;
                 caches = caches
                     .into_iter()
                     .map(|c| c.with_max_kv_size(max).unwrap_or(c))

@@ -14,8 +14,16 @@ use std::io::IsTerminal;
 /// ([`mlex_models::dispatch`]) with the shared model options applied.
 pub fn dispatch(m: Option<&ModelArgs>) -> Result<Dispatch> {
     let mut d = mlex_models::dispatch()?;
-    if let Some(n) = m.and_then(|m| m.prefill_chunk) {
-        d.prefill_chunk = n as usize;
+    if let Some(m) = m {
+        match m.prefill_chunk {
+            Some(n) => d.prefill_chunk = n as usize,
+            None if m.max_kv_size.is_some() => {
+                d.prefill_chunk = d
+                    .prefill_chunk
+                    .min(mlex_core::dispatch::WINDOW_PREFILL_CHUNK)
+            }
+            None => {}
+        }
     }
     Ok(d)
 }

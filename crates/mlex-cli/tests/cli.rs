@@ -2029,6 +2029,28 @@ fn max_kv_size_follows_mlx_lm_and_bad_uses_name_the_option() {
         .clone();
     let v = last_json(&out);
     assert_eq!(v["max_kv_size"], 6, "{v}");
+    // A given --prefill-chunk wins over the window's cap on the step.
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&m)
+        .args([
+            "--prompt-len",
+            "8",
+            "--gen",
+            "4",
+            "--format",
+            "json",
+            "--max-kv-size",
+            "6",
+        ])
+        .args(["--prefill-chunk", "2048"])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    assert_eq!(last_json(&out)["dispatch"]["prefill_chunk"], 2048);
 
     let fails = |args: &[&str]| {
         let a = mlex().args(args).arg("--model").arg(&m).assert().failure();

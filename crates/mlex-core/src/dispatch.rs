@@ -73,6 +73,14 @@ pub struct Dispatch {
     pub prefill_chunk: usize,
 }
 
+/// Prompt tokens per prefill step, at most, under a `--max-kv-size`
+/// window when `--prefill-chunk` is not given: a step of `C` tokens over a
+/// window of `W` attends to `W - 1 + C` keys a row, `W` of them visible, so
+/// smaller steps do less attention work (measured on the H200 at 16k
+/// tokens over a 4,096 window, `docs/BENCHMARKS.md`: 1,024 prefilled
+/// fastest, in 62% of the memory of 4,096).
+pub const WINDOW_PREFILL_CHUNK: usize = 1024;
+
 /// The environment variables [`Dispatch::from_env`] reads, with what each
 /// sets (for `mlex env` and the README's table).
 pub const ENV_VARS: &[(&str, &str)] = &[

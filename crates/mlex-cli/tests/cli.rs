@@ -1878,6 +1878,34 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
     );
 }
 
+/// `generate`'s greedy token ids from `prompt` on the model at `m`, `n` of
+/// them, under the options `extra`.
+fn generated_ids(m: &std::path::Path, prompt: &[i32], n: usize, extra: &[&str]) -> Vec<i32> {
+    let out = mlex()
+        .arg("generate")
+        .arg("--model")
+        .arg(m)
+        .args([
+            "--prompt-ids",
+            &ids_arg(prompt),
+            "--max-tokens",
+            &n.to_string(),
+        ])
+        .args(["--format", "json"])
+        .args(extra)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    last_json(&out)["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_i64().unwrap() as i32)
+        .collect()
+}
+
 /// `--kv-bits`: `generate` gives mlx-lm's tokens under its quantized cache
 /// (the `late` case of `xtask/py/kvq_ref.py`: 8 bits from token 20), bench
 /// reports the form, and the modes whose caches are not quantized yet say
@@ -1902,25 +1930,7 @@ fn kv_bits_follow_mlx_lm_and_bad_uses_name_the_option() {
         "--quantized-kv-start",
         start.as_str(),
     ];
-    let max = want.len().to_string();
-    let out = mlex()
-        .arg("generate")
-        .arg("--model")
-        .arg(&m)
-        .args(["--prompt-ids", &ids_arg(&prompt), "--max-tokens", &max])
-        .args(["--format", "json"])
-        .args(kv)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let got: Vec<i32> = last_json(&out)["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_i64().unwrap() as i32)
-        .collect();
+    let got = generated_ids(&m, &prompt, want.len(), &kv);
     assert_eq!(got, want, "mlx-lm's tokens under its {bits}-bit cache");
 
     let out = mlex()
@@ -1988,24 +1998,7 @@ fn max_kv_size_follows_mlx_lm_and_bad_uses_name_the_option() {
     let window = ints(&r["window.params"])[0].to_string();
     let want = ints(&r["window.tokens"]);
     let prompt = reference(&f).prompt.clone();
-    let max = want.len().to_string();
-    let out = mlex()
-        .arg("generate")
-        .arg("--model")
-        .arg(&m)
-        .args(["--prompt-ids", &ids_arg(&prompt), "--max-tokens", &max])
-        .args(["--format", "json", "--max-kv-size", &window])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let got: Vec<i32> = last_json(&out)["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_i64().unwrap() as i32)
-        .collect();
+    let got = generated_ids(&m, &prompt, want.len(), &["--max-kv-size", &window]);
     assert_eq!(got, want, "mlx-lm's tokens in its {window}-token window");
 
     let out = mlex()

@@ -77,28 +77,25 @@ fn quantized_kv_follows_mlx_lm() {
         let plain = trace(&model, &prompt, 2048, 8);
         for case in ["early", "late"] {
             let p = ints(&r[&format!("{case}.params")]);
-            let want_tokens = ints(&r[&format!("{case}.tokens")]);
             model.kv_quantization = Some(KvQuantization::new(p[0], p[1], p[2] as usize).unwrap());
-            let (got_tokens, got) = trace(&model, &prompt, p[3] as usize, want_tokens.len());
-            assert_eq!(got_tokens, want_tokens, "{} {case}: tokens", f.name);
-            assert_close(
-                &got,
-                &to_f32(&r[&format!("{case}.logprobs")]),
+            let got = follows(
+                &model,
+                &prompt,
+                p[3] as usize,
+                &r,
+                case,
                 &format!("{} {case}", f.name),
             );
             // CUDA's form (dequantized keys, the fused attention): the
             // same tokens, log-probabilities as close.
             let mut dq = load_dispatched(&f, |d| d.dequantize_kv_reads = true);
             dq.kv_quantization = model.kv_quantization;
-            let (dq_tokens, dq_rows) = trace(&dq, &prompt, p[3] as usize, want_tokens.len());
-            assert_eq!(
-                dq_tokens, want_tokens,
-                "{} {case}: dequantized reads, tokens",
-                f.name
-            );
-            assert_close(
-                &dq_rows,
-                &to_f32(&r[&format!("{case}.logprobs")]),
+            follows(
+                &dq,
+                &prompt,
+                p[3] as usize,
+                &r,
+                case,
                 &format!("{} {case} dequantized", f.name),
             );
             if case == "early" {
@@ -116,8 +113,21 @@ fn quantized_kv_follows_mlx_lm() {
     }
 }
 
-/// Within 1e-4 of the largest log-probability at every step.
-fn assert_close(got: &[Vec<f32>], want: &[f32], what: &str) {
+/// `model`'s trace in mlx-lm's schedule against the reference `case` of
+/// `r`: greedy tokens equal, log-probabilities within 1e-4 of the largest at
+/// every step. Returns the log-probabilities.
+fn follows(
+    model: &Model,
+    prompt: &[i32],
+    step: usize,
+    r: &HashMap<String, Array>,
+    case: &str,
+    what: &str,
+) -> Vec<Vec<f32>> {
+    let want_tokens = ints(&r[&format!("{case}.tokens")]);
+    let want = to_f32(&r[&format!("{case}.logprobs")]);
+    let (got_tokens, got) = trace(model, prompt, step, want_tokens.len());
+    assert_eq!(got_tokens, want_tokens, "{what}: tokens");
     let v = want.len() / got.len();
     for (i, row) in got.iter().enumerate() {
         let (d, scale) = max_diff(row, &want[i * v..(i + 1) * v]);
@@ -126,6 +136,7 @@ fn assert_close(got: &[Vec<f32>], want: &[f32], what: &str) {
             "{what}: step {i} differs by {d}"
         );
     }
+    got
 }
 
 #[test]
@@ -138,7 +149,6 @@ fn a_bounded_kv_window_follows_mlx_lm() {
         let plain = trace(&model, &prompt, 2048, 1);
         for case in ["window", "window_steps"] {
             let p = ints(&r[&format!("{case}.params")]);
-            let want_tokens = ints(&r[&format!("{case}.tokens")]);
             assert_eq!(
                 p[1] as usize,
                 mlex_core::cache::KV_WINDOW_KEEP,
@@ -157,25 +167,23 @@ fn a_bounded_kv_window_follows_mlx_lm() {
                 kinds.contains(&"rotating_kv") && !kinds.contains(&"kv"),
                 "{kinds:?}"
             );
-            let (got_tokens, got) = trace(&model, &prompt, p[2] as usize, want_tokens.len());
-            assert_eq!(got_tokens, want_tokens, "{} {case}: tokens", f.name);
-            assert_close(
-                &got,
-                &to_f32(&r[&format!("{case}.logprobs")]),
+            let got = follows(
+                &model,
+                &prompt,
+                p[2] as usize,
+                &r,
+                case,
                 &format!("{} {case}", f.name),
             );
             // CUDA's form (masked attention as ops): as close.
             let mut ops = load_dispatched(&f, |d| d.masked_attention_ops = true);
             ops.max_kv_size = model.max_kv_size;
-            let (ops_tokens, ops_rows) = trace(&ops, &prompt, p[2] as usize, want_tokens.len());
-            assert_eq!(
-                ops_tokens, want_tokens,
-                "{} {case}: masked attention as ops, tokens",
-                f.name
-            );
-            assert_close(
-                &ops_rows,
-                &to_f32(&r[&format!("{case}.logprobs")]),
+            follows(
+                &ops,
+                &prompt,
+                p[2] as usize,
+                &r,
+                case,
                 &format!("{} {case} as ops", f.name),
             );
             // The 16-token prompt overflows the window: what is compared is

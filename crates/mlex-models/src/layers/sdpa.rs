@@ -139,11 +139,19 @@ fn visible_ops(
 /// The ops form of causal attention with the queries aligned to the last
 /// keys (query `i` of `T` sees keys `0..=L - T + i`).
 pub fn causal_ops(q: &Array, keys: &Array, values: &Array, scale: f32) -> Result<Array> {
-    let (t, l) = (q.shape()[2], keys.shape()[2]);
-    let rows = ops::add(&ops::arange::<_, i32>(0, t, None)?, Array::from_int(l - t))?;
-    let cols = ops::arange::<_, i32>(0, l, None)?;
-    let visible = ops::ge(&ops::expand_dims(&rows, 1)?, &ops::expand_dims(&cols, 0)?)?;
+    let visible = causal_visible(q.shape()[2], keys.shape()[2])?;
     visible_ops(q, keys, values, scale, &visible)
+}
+
+/// `[T, L]` bool: query `i` of `T` sees keys `0..=L - T + i` (aligned to
+/// the last key).
+fn causal_visible(t: i32, l: i32) -> Result<Array> {
+    let rows = ops::arange::<_, i32>(l - t, l, None)?;
+    let cols = ops::arange::<_, i32>(0, l, None)?;
+    Ok(ops::ge(
+        &ops::expand_dims(&rows, 1)?,
+        &ops::expand_dims(&cols, 0)?,
+    )?)
 }
 
 /// The most negative finite value of `dtype` (NumPy's `finfo(dtype).min`,
@@ -196,10 +204,7 @@ pub fn quantized_attend(
         AttentionMask::Causal => {
             let n = scores.shape().len();
             let (ql, kl) = (scores.shape()[n - 2], scores.shape()[n - 1]);
-            let rows = ops::arange::<_, i32>(kl - ql, kl, None)?;
-            let cols = ops::arange::<_, i32>(0, kl, None)?;
-            let visible = ops::ge(&ops::expand_dims(&rows, 1)?, &ops::expand_dims(&cols, 0)?)?;
-            scores = ops::select(&visible, &scores, &floor()?)?;
+            scores = ops::select(&causal_visible(ql, kl)?, &scores, &floor()?)?;
         }
         AttentionMask::Array(m) => {
             let m = if rep > 1 && m.ndim() > 3 {

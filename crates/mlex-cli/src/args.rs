@@ -315,6 +315,11 @@ pub struct ModelArgs {
     /// hybrids too (single sequences: generate, chat, bench).
     #[arg(long, value_name = "TOKENS", conflicts_with = "kv_bits")]
     pub max_kv_size: Option<usize>,
+    /// Split the model across N ranks (tensor parallelism over MLX's
+    /// distributed layer): started here as N local processes, or this
+    /// process is one rank when MLX_RANK is set (generate and bench).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tp: u32,
 }
 
 impl ModelArgs {
@@ -574,6 +579,9 @@ pub struct LogitsArgs {
     /// Output .npy file.
     #[arg(long)]
     pub out: PathBuf,
+    /// Split the model across N ranks (see `mlex generate --tp`).
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tp: u32,
 }
 
 #[derive(Args, Debug)]

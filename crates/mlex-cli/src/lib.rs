@@ -16,6 +16,7 @@ mod args;
 mod commands;
 mod interrupt;
 mod session;
+mod tp;
 
 use clap::Parser;
 use std::process::ExitCode;
@@ -43,7 +44,11 @@ pub fn main() -> ExitCode {
             // build comes back as an error: the user asked to stop.
             eprintln!("interrupted ({})", for_the_command_line(e));
         } else {
-            eprintln!("error: {}", for_the_command_line(e));
+            // A rank of a --tp group says which one it is.
+            let rank = std::env::var("MLX_RANK")
+                .map(|r| format!("[rank {r}] "))
+                .unwrap_or_default();
+            eprintln!("error: {rank}{}", for_the_command_line(e));
         }
     }
     match result {

@@ -15,6 +15,7 @@ use std::io::IsTerminal;
 pub fn dispatch(m: Option<&ModelArgs>) -> Result<Dispatch> {
     let mut d = mlex_models::dispatch()?;
     if let Some(m) = m {
+        d.tensor_parallel = tensor_parallel(m.tp)?;
         match m.prefill_chunk {
             Some(n) => d.prefill_chunk = n as usize,
             None if m.max_kv_size.is_some() => {
@@ -26,6 +27,19 @@ pub fn dispatch(m: Option<&ModelArgs>) -> Result<Dispatch> {
         }
     }
     Ok(d)
+}
+
+/// This process's rank when `tp` ranks split the model (MLX's environment
+/// names the group; see [`crate::tp`]).
+pub fn tensor_parallel(tp: u32) -> Result<Option<mlex_core::distributed::Shard>> {
+    match crate::tp::role(tp) {
+        crate::tp::Role::Single => Ok(None),
+        crate::tp::Role::Rank(n) => crate::tp::join(n).map(Some),
+        crate::tp::Role::Launch(n) => Err(Error::invalid(
+            "--tp",
+            format!("{n} ranks must be started by the launcher (MLX_RANK is not set)"),
+        )),
+    }
 }
 
 /// Loads the model at `spec` under `dispatch`, materialising its weights

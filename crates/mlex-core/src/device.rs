@@ -84,7 +84,7 @@ pub fn cpu_blas() -> CpuBlas {
 
 /// Makes sure mlx-rs's error handler is installed before any raw mlx-c
 /// call (mlx-c's default handler exits the process).
-fn ensure_error_handler() {
+pub(crate) fn ensure_error_handler() {
     let _ = mlx_rs::Device::try_default();
 }
 

@@ -71,6 +71,10 @@ pub struct Dispatch {
     pub masked_attention_ops: bool,
     /// Prompt tokens per prefill step (`--prefill-chunk`).
     pub prefill_chunk: usize,
+    /// This process's rank of a tensor-parallel group (`--tp`): layers
+    /// load their part of each split weight and sum their products over
+    /// the ranks ([`crate::distributed`]). `None`: one device.
+    pub tensor_parallel: Option<crate::distributed::Shard>,
 }
 
 /// Prompt tokens per prefill step, at most, under a `--max-kv-size`
@@ -131,6 +135,7 @@ impl Dispatch {
             // A 4,096-token step prefills 7.7x faster than 512 on the H200;
             // on the CPU the step barely matters and 512 bounds the graph.
             prefill_chunk: if gpu { 4096 } else { 512 },
+            tensor_parallel: None,
             backend,
         }
     }
@@ -200,6 +205,11 @@ impl Dispatch {
             "dequantize_kv_reads": self.dequantize_kv_reads,
             "masked_attention_ops": self.masked_attention_ops,
             "prefill_chunk": self.prefill_chunk,
+            "tensor_parallel": self.tensor_parallel.as_ref().map(|s| json!({
+                "rank": s.rank(),
+                "size": s.size(),
+                "backend": s.backend().name(),
+            })),
         })
     }
 }

@@ -165,6 +165,16 @@ pub trait Layer: Send + Sync {
     fn describe(&self) -> String {
         self.kind().to_owned()
     }
+
+    /// `None` when the layer was built split across the ranks of its
+    /// loader's [`crate::distributed::Shard`] (or needs no splitting);
+    /// otherwise the part that cannot be split, by name. A model is built
+    /// under `--tp` only from layers that split, and the default names the
+    /// kind, so a kind that does not know how to shard is named rather
+    /// than run whole on every rank.
+    fn unsharded(&self) -> Option<String> {
+        Some(format!("layer kind `{}`", self.kind()))
+    }
 }
 
 /// What state a layer kind keeps between tokens.
@@ -302,6 +312,13 @@ pub trait Mixer: Send + Sync {
     /// A one-line description for `mlex inspect`.
     fn describe(&self) -> String {
         self.kind().to_owned()
+    }
+
+    /// `None` when the mixer was built split across the ranks of its
+    /// loader's [`crate::distributed::Shard`]; otherwise what cannot be
+    /// split (see [`Layer::unsharded`]).
+    fn unsharded(&self) -> Option<String> {
+        Some(format!("mixer kind `{}`", self.kind()))
     }
 }
 

@@ -20,6 +20,7 @@ pub mod cache;
 pub mod config;
 pub mod device;
 pub mod dispatch;
+pub mod distributed;
 pub mod error;
 pub mod layer;
 pub mod model;

@@ -450,6 +450,9 @@ impl Model {
                 registry,
             };
             let layer = kind.build(&mut ctx)?;
+            if let Some(shard) = &dispatch.tensor_parallel {
+                shard.check_built(index, lp, arch, &*layer)?;
+            }
             layers.push(LayerSlot {
                 kind: lp.name.clone(),
                 prefix: lp.prefix.clone(),
@@ -475,6 +478,7 @@ impl Model {
         };
         let mtp = match &plan.mtp {
             Some(m) if !m.layers.is_empty() && ld.has(&format!("{}.fc.weight", m.prefix)) => {
+                crate::distributed::refuse_mtp(dispatch.tensor_parallel.as_ref())?;
                 Some(crate::mtp::MtpHead::build(
                     m,
                     &mut ld,

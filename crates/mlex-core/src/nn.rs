@@ -39,6 +39,10 @@ pub struct Linear {
     pub out_features: i32,
     /// How its product runs.
     pub product: Product,
+    /// A row-parallel layer's group: its product is this rank's part of
+    /// the sum over input columns, summed over the ranks before the bias
+    /// is added ([`crate::distributed::Split::Input`]).
+    pub reduce: Option<crate::distributed::Shard>,
 }
 
 /// Loads `{prefix}.weight` packed with `.scales`/`.biases` when
@@ -62,8 +66,15 @@ pub fn load_quantized(
         found: "no quantization config".into(),
     })?;
     if in_features % spec.group_size != 0 || (in_features * spec.bits) % 32 != 0 {
+        let part = match (ld.split(), ld.shard()) {
+            (Some(crate::distributed::Split::Input), Some(shard)) => format!(
+                " (this rank's part under --tp {}: the ranks must split whole quantization groups)",
+                shard.size()
+            ),
+            _ => String::new(),
+        };
         return Err(Error::Other(format!(
-            "{prefix}: {in_features} input features do not fit group size {} at {} bits",
+            "{prefix}: {in_features} input features do not fit group size {} at {} bits{part}",
             spec.group_size, spec.bits
         )));
     }
@@ -177,6 +188,10 @@ impl Linear {
         } else {
             None
         };
+        let reduce = match ld.split() {
+            Some(crate::distributed::Split::Input) => ld.shard().cloned(),
+            _ => None,
+        };
         Ok(Self {
             weight,
             bias,
@@ -184,6 +199,7 @@ impl Linear {
             in_features,
             out_features,
             product: ld.product(),
+            reduce,
         })
     }
 
@@ -205,6 +221,23 @@ impl Linear {
 
     /// Applies the layer to `x` (`[..., in]`).
     pub fn forward(&self, p: &Params, x: &Array) -> Result<Array> {
+        let Some(shard) = &self.reduce else {
+            return self.forward_local(p, x);
+        };
+        // The bias once, after the parts are summed.
+        let local = Linear {
+            bias: None,
+            reduce: None,
+            ..self.clone()
+        };
+        let y = shard.all_sum(&local.forward_local(p, x)?)?;
+        match self.bias {
+            Some(b) => Ok(ops::add(&y, p.get(b)?)?),
+            None => Ok(y),
+        }
+    }
+
+    fn forward_local(&self, p: &Params, x: &Array) -> Result<Array> {
         let w = p.get(self.weight)?;
         match &self.quant {
             None => match self.bias {
@@ -294,7 +327,11 @@ impl FusedLinear {
         let total: i32 = sizes.iter().sum();
         let name = fused_name(&prefixes);
         if ld.has(&format!("{name}.weight")) {
-            let linear = Linear::load(ld, &name, in_features, total, bias)?;
+            // Stored concatenated: under --tp each part's rows split on
+            // their own.
+            let linear = ld.with_segments(&name, &sizes, |ld| {
+                Linear::load(ld, &name, in_features, total, bias)
+            })?;
             return Ok(Self::One { linear, sizes });
         }
         let separate = |ld: &mut WeightLoader| -> Result<Self> {
@@ -386,6 +423,7 @@ impl FusedLinear {
                 in_features,
                 out_features: total,
                 product: ld.product(),
+                reduce: None,
             },
             sizes,
         })

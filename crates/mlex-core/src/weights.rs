@@ -9,6 +9,7 @@
 
 use crate::device::Backend;
 use crate::dispatch::Dispatch;
+use crate::distributed::{Shard, Split};
 use crate::error::{Error, Result};
 use crate::params::{ParamId, ParamStore};
 use crate::quant::{QuantSpec, Quantization};
@@ -27,6 +28,9 @@ struct Entry {
 pub struct WeightMap {
     tensors: BTreeMap<String, Entry>,
     files: Vec<PathBuf>,
+    /// The tensors are already this rank's parts (a built model's weights,
+    /// re-read to quantize them): split scopes cut nothing.
+    rank_parts: bool,
 }
 
 /// Validates a safetensors file without reading its data: header present,
@@ -108,6 +112,13 @@ impl WeightMap {
     /// An empty map.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Marks the tensors as one `--tp` rank's parts already (the weights of
+    /// a model built split, handed to a rebuild): a loader cuts nothing
+    /// more, while its split scopes still say how the parts join.
+    pub fn mark_rank_parts(&mut self) {
+        self.rank_parts = true;
     }
 
     /// Loads every tensor of the given safetensors files. Each file is
@@ -231,6 +242,11 @@ pub struct WeightLoader {
     store: ParamStore,
     quant: Quantization,
     dispatch: Dispatch,
+    /// The split scope tensors are taken in ([`WeightLoader::with_split`]).
+    split: Option<Split>,
+    /// Tensors (by module prefix) whose split axis is a concatenation of
+    /// segments, each split on its own ([`WeightLoader::with_segments`]).
+    segments: Vec<(String, Vec<i32>)>,
 }
 
 /// Up to `n` of `candidates` closest to `name`: most characters shared at
@@ -284,7 +300,59 @@ impl WeightLoader {
             store: ParamStore::new(),
             quant,
             dispatch,
+            split: None,
+            segments: Vec::new(),
         }
+    }
+
+    /// This process's rank of a tensor-parallel group, when there is one.
+    pub fn shard(&self) -> Option<&Shard> {
+        self.dispatch.tensor_parallel.as_ref()
+    }
+
+    /// The split scope in force, when the model is sharded.
+    pub fn split(&self) -> Option<Split> {
+        self.split.filter(|_| self.shard().is_some())
+    }
+
+    /// Runs `f` with every tensor it takes cut by `split` across the ranks
+    /// of [`WeightLoader::shard`] (nothing is cut on one device): the
+    /// shapes `f` asks for are this rank's part, the checkpoint holds the
+    /// whole tensor, and the rank keeps its part.
+    pub fn with_split<T>(
+        &mut self,
+        split: Split,
+        f: impl FnOnce(&mut WeightLoader) -> Result<T>,
+    ) -> Result<T> {
+        let outer = self.split.replace(split);
+        let out = f(self);
+        self.split = outer;
+        out
+    }
+
+    /// Runs `f` with the split axis of the tensors under `module` (its
+    /// weight, scales, biases, bias) read as the concatenation of
+    /// `segments` (this rank's lengths): each whole segment is `size` times
+    /// as long and is split on its own, so that a q/k/v projection keeps
+    /// its q, k and v rows of the rank's heads.
+    pub fn with_segments<T>(
+        &mut self,
+        module: &str,
+        segments: &[i32],
+        f: impl FnOnce(&mut WeightLoader) -> Result<T>,
+    ) -> Result<T> {
+        self.segments.push((module.to_owned(), segments.to_vec()));
+        let out = f(self);
+        self.segments.pop();
+        out
+    }
+
+    /// Runs `f` with tensors taken whole even inside a split scope.
+    pub fn whole<T>(&mut self, f: impl FnOnce(&mut WeightLoader) -> Result<T>) -> Result<T> {
+        let outer = self.split.take();
+        let out = f(self);
+        self.split = outer;
+        out
     }
 
     /// The backend policy layers are built with.
@@ -366,7 +434,22 @@ impl WeightLoader {
     fn remove_checked(&mut self, name: &str, shape: Option<&[i32]>, float: bool) -> Result<Array> {
         let file = self.file_for(name);
         let (array, _) = self.map.remove(name).ok_or_else(|| self.missing(name))?;
-        if let Some(shape) = shape {
+        let cut = match (self.split(), self.shard()) {
+            (Some(split), Some(shard)) if !self.map.rank_parts => {
+                split.axis(array.ndim()).map(|axis| (axis, shard.clone()))
+            }
+            _ => None,
+        };
+        let whole_shape: Option<Vec<i32>> = shape.map(|s| {
+            let mut s = s.to_vec();
+            if let Some((axis, shard)) = &cut {
+                if let Some(d) = s.get_mut(*axis) {
+                    *d *= shard.size() as i32;
+                }
+            }
+            s
+        });
+        if let Some(shape) = whole_shape.as_deref() {
             if array.shape() != shape {
                 return Err(Error::TensorMismatch {
                     name: name.to_owned(),
@@ -389,7 +472,24 @@ impl WeightLoader {
                 found: format!("{:?}", array.dtype()),
             });
         }
-        Ok(array)
+        let segments = self
+            .segments
+            .iter()
+            .rev()
+            .find(|(module, _)| {
+                name.strip_prefix(module.as_str())
+                    .is_some_and(|rest| rest.starts_with('.'))
+            })
+            .map(|(_, s)| s);
+        match (cut, segments) {
+            (Some((axis, shard)), Some(local)) => {
+                let scale = array.shape()[axis] / local.iter().sum::<i32>().max(1);
+                let whole: Vec<i32> = local.iter().map(|s| s * scale).collect();
+                shard.segmented_part(&array, axis, &whole, name)
+            }
+            (Some((axis, shard)), None) => shard.part(&array, axis, name),
+            (None, _) => Ok(array),
+        }
     }
 
     /// Adds a tensor that the checkpoint does not hold (e.g. a derived one).

@@ -23,6 +23,7 @@ use crate::layers::canon::{Canon, CanonOptions};
 use crate::layers::ffn::{Ffn, FfnKind, FfnSpec};
 use mlex_cache::StateCache;
 use mlex_core::cache::Cache;
+use mlex_core::distributed::Split;
 use mlex_core::error::{Error, Result};
 use mlex_core::layer::{BuildCtx, Carry, Layer, Mixer, State, StateKind};
 use mlex_core::nn::{Norm, NormKind};
@@ -346,7 +347,15 @@ impl Block {
                     return Err(ctx.config.error("canon_set", "canon D needs a SwiGLU MLP"));
                 }
                 let name = format!("{}.canon_d.conv", ctx.path(&o.ffn_prefix));
-                block.canon_d = Some(Canon::load(ctx.weights, &name, intermediate, &c)?);
+                // Over the MLP's inner channels: under --tp, this rank's
+                // part of them (the SwiGLU split its inner width).
+                let ranks = ctx.weights.shard().map_or(1, |s| s.size() as i32);
+                block.intermediate = intermediate / ranks;
+                let width = block.intermediate;
+                block.canon_d = Some(
+                    ctx.weights
+                        .with_split(Split::Leading, |ld| Canon::load(ld, &name, width, &c))?,
+                );
             }
         }
         Ok(block)
@@ -535,6 +544,13 @@ impl Layer for Block {
             // The whole block ran before the cache.
             _ => Ok(x),
         }
+    }
+
+    fn unsharded(&self) -> Option<String> {
+        if let Some(part) = self.mixer.as_ref().and_then(|m| m.unsharded()) {
+            return Some(part);
+        }
+        self.ffn.as_ref().and_then(Ffn::unsharded)
     }
 
     fn describe(&self) -> String {

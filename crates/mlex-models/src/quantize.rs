@@ -177,6 +177,8 @@ pub fn quantize_with(
         default: Some(spec),
         overrides,
     };
+    // A split model's weights are its rank's parts already.
+    weights.mark_rank_parts();
     let plan = arch.plan(&model.config)?;
     Model::build_from_plan(
         &model.arch,
@@ -241,6 +243,8 @@ pub fn dequantize(
         };
         weights.insert(name, dense, file);
     }
+    // A split model's weights are its rank's parts already.
+    weights.mark_rank_parts();
     let plan = arch.plan(&model.config)?;
     let mut config = model.config.clone();
     if let Some(o) = config.value_mut().as_object_mut() {

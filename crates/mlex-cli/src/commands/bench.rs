@@ -80,14 +80,8 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         let r = g.generate(&prompt, &opts(a.gen), &mut |_| Ok(Flow::Continue))?;
         peak = peak.max(r.peak_memory_bytes);
         best = Some(match best {
-            None => r,
-            Some(b) => {
-                if r.decode_tok_s() > b.decode_tok_s() {
-                    r
-                } else {
-                    b
-                }
-            }
+            Some(b) if b.decode_tok_s() >= r.decode_tok_s() => b,
+            _ => r,
         });
     }
     let r = best.expect("at least one run");
@@ -138,6 +132,8 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
             "bits": q.bits, "group_size": q.group_size, "start": q.start,
         })),
         "max_kv_size": g.model.max_kv_size,
+        // This rank's weights (all of them on one device).
+        "weight_bytes": g.model.params.nbytes(),
         "speculative": r.speculative.as_ref().map(super::generate::speculative_json),
     });
     if a.format == Format::Json {

@@ -21,7 +21,10 @@ pub fn run(a: LogitsArgs, registry: &Registry) -> Result<()> {
             ));
         }
     }
-    let loaded = load_model(&a.model, registry, &crate::session::dispatch(None)?)?;
+    let mut dispatch = crate::session::dispatch(None)?;
+    dispatch.tensor_parallel = crate::session::tensor_parallel(a.tp)?;
+    let rank = dispatch.tensor_parallel.as_ref().map_or(0, |s| s.rank());
+    let loaded = load_model(&a.model, registry, &dispatch)?;
     let model = &loaded.model;
     let vocab = model.vocab_size() as u32;
     if let Some(bad) = a.prompt_ids.iter().find(|&&t| t >= vocab) {
@@ -45,6 +48,10 @@ pub fn run(a: LogitsArgs, registry: &Registry) -> Result<()> {
     let logits = model.forward(&tokens, &mut cache)?;
     let logits = mlx_rs::ops::squeeze_axes(&logits.as_dtype(Dtype::Float32)?, &[0])?;
     logits.eval()?;
+    if rank != 0 {
+        // Every rank holds the same logits; rank 0 writes them.
+        return Ok(());
+    }
     logits
         .save_numpy(&a.out)
         .map_err(|e| Error::Other(format!("{}: {e}", a.out.display())))?;

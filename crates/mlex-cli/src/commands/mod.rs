@@ -35,6 +35,10 @@ pub fn run(cli: Cli) -> Result<()> {
         };
         mlx_rs::Device::set_default(&device);
     }
+    let tp = tensor_parallel(&cli.command)?;
+    if let crate::tp::Role::Launch(n) = crate::tp::role(tp) {
+        return crate::tp::launch(n);
+    }
     let registry =
         || -> Result<Registry> { mlex_models::build_registry(&registry_paths(&cli.arch_files)) };
     match cli.command {
@@ -51,6 +55,40 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Env(a) => env::run(a),
         Command::Convert(a) => convert::run(a, &registry()?),
         Command::Perplexity(a) => perplexity::run(a, &registry()?),
+    }
+}
+
+/// The command's `--tp`, refused by name where a command cannot run split
+/// yet (checked before any rank starts).
+fn tensor_parallel(command: &Command) -> Result<u32> {
+    let (tp, refused) = match command {
+        Command::Generate(a) => (
+            a.model.tp,
+            if a.prompts_file.is_some() {
+                Some("--prompts-file (batched decoding)")
+            } else if a.prompt_cache.is_some() {
+                Some("--prompt-cache")
+            } else {
+                None
+            },
+        ),
+        Command::Bench(a) => (
+            a.model.tp,
+            (a.batch.is_some() || a.shared_prefix.is_some())
+                .then_some("bench --batch and --shared-prefix"),
+        ),
+        Command::Logits(a) => (a.tp, None),
+        Command::Chat(a) => (a.model.tp, Some("mlex chat")),
+        Command::Serve(a) => (a.model.tp, Some("mlex serve")),
+        Command::Perplexity(a) => (a.model.tp, Some("mlex perplexity")),
+        _ => (1, None),
+    };
+    match refused {
+        Some(what) if tp > 1 => Err(mlex_core::error::Error::invalid(
+            "--tp",
+            format!("not yet with {what} (split runs: generate, bench, logits)"),
+        )),
+        _ => Ok(tp),
     }
 }
 

@@ -18,10 +18,12 @@ use super::sdpa::{attend, quantized_attend};
 use crate::block::size;
 use mlex_cache::{KvCache, RotatingKvCache, StateCache};
 use mlex_core::cache::{Cache, KvRead};
+use mlex_core::distributed::Split;
 use mlex_core::error::{Error, Result};
 use mlex_core::layer::{BuildCtx, Carry, Mixer, State, StateKind};
 use mlex_core::nn::{FusedLinear, Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
+use mlex_core::weights::WeightLoader;
 use mlx_rs::{fast, ops, Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
@@ -146,6 +148,8 @@ pub struct Attention {
     /// [`Dispatch::masked_attention_ops`](mlex_core::dispatch::Dispatch).
     masked_attention_ops: bool,
     hidden: i32,
+    /// Under --tp (a full-width q/k norm sums its squares over the ranks).
+    shard: Option<mlex_core::distributed::Shard>,
 }
 
 mlex_core::register_mixer_kind! {
@@ -191,40 +195,69 @@ impl Attention {
                 ))
             }
         };
+        // Under --tp each rank keeps whole heads: its share of the query
+        // heads and of the key/value heads they read.
+        let (n_heads, n_kv_heads) = match ctx.weights.shard() {
+            None => (n_heads, n_kv_heads),
+            Some(shard) => {
+                let n = shard.size() as i32;
+                let refuse = |what: &str| {
+                    Err(Error::Other(format!(
+                        "--tp {n}: attention of layer {} ({}) cannot be split: {what}",
+                        ctx.index, ctx.prefix
+                    )))
+                };
+                if n_kv_heads % n != 0 {
+                    return refuse(&format!(
+                        "{n_kv_heads} key/value heads do not split into {n} equal parts"
+                    ));
+                }
+                (n_heads / n, n_kv_heads / n)
+            }
+        };
         let eps = o.norm_eps as f32;
         let attn_prefix = ctx.path(&o.attn);
         let a = |n: &str| format!("{attn_prefix}.{n}");
         let q_out = n_heads * head_dim * if o.gated { 2 } else { 1 };
         let kv_out = n_kv_heads * head_dim;
-        let qkv = FusedLinear::load(
-            ctx.weights,
-            &[
-                (&a("q_proj"), q_out),
-                (&a("k_proj"), kv_out),
-                (&a("v_proj"), kv_out),
-            ],
-            hidden,
-            o.qkv_bias,
-        )?;
-        let o_proj = Linear::load(
-            ctx.weights,
-            &a("o_proj"),
-            n_heads * head_dim,
-            hidden,
-            o.o_bias,
-        )?;
+        let qkv = ctx.weights.with_split(Split::Output, |ld| {
+            FusedLinear::load(
+                ld,
+                &[
+                    (&a("q_proj"), q_out),
+                    (&a("k_proj"), kv_out),
+                    (&a("v_proj"), kv_out),
+                ],
+                hidden,
+                o.qkv_bias,
+            )
+        })?;
+        let o_proj = ctx.weights.with_split(Split::Input, |ld| {
+            Linear::load(ld, &a("o_proj"), n_heads * head_dim, hidden, o.o_bias)
+        })?;
         // Per head, or over the whole projection.
         let (q_width, k_width) = match o.qk_norm {
             QkNorm::Full => (n_heads * head_dim, n_kv_heads * head_dim),
             _ => (head_dim, head_dim),
         };
-        let (q_norm, k_norm) = if o.qk_norm == QkNorm::None {
-            (None, None)
-        } else {
-            (
-                Some(RmsNorm::load(ctx.weights, &a("q_norm"), q_width, eps)?),
-                Some(RmsNorm::load(ctx.weights, &a("k_norm"), k_width, eps)?),
-            )
+        // A full-width norm's weights split with the heads (its mean
+        // square is summed over the ranks, `norm_full_width`); a per-head
+        // norm is whole on every rank.
+        let (q_norm, k_norm) = match o.qk_norm {
+            QkNorm::None => (None, None),
+            qk => {
+                let load = |ld: &mut WeightLoader| -> Result<_> {
+                    Ok((
+                        Some(RmsNorm::load(ld, &a("q_norm"), q_width, eps)?),
+                        Some(RmsNorm::load(ld, &a("k_norm"), k_width, eps)?),
+                    ))
+                };
+                if qk == QkNorm::Full {
+                    ctx.weights.with_split(Split::Leading, load)?
+                } else {
+                    load(ctx.weights)?
+                }
+            }
         };
         let inv_freq_name = a("rotary_emb.inv_freq");
         let inv_freq = if o.rope && o.rope_inv_freq && ctx.weights.has(&inv_freq_name) {
@@ -265,11 +298,14 @@ impl Attention {
                 )?);
             }
             if c.set.contains('B') {
-                canon_b = Some([
-                    Canon::load(ctx.weights, &a("canon_b_q.conv"), n_heads * head_dim, &c)?,
-                    Canon::load(ctx.weights, &a("canon_b_k.conv"), n_kv_heads * head_dim, &c)?,
-                    Canon::load(ctx.weights, &a("canon_b_v.conv"), n_kv_heads * head_dim, &c)?,
-                ]);
+                // Depthwise over the q/k/v channels: split with the heads.
+                canon_b = Some(ctx.weights.with_split(Split::Leading, |ld| {
+                    Ok([
+                        Canon::load(ld, &a("canon_b_q.conv"), n_heads * head_dim, &c)?,
+                        Canon::load(ld, &a("canon_b_k.conv"), n_kv_heads * head_dim, &c)?,
+                        Canon::load(ld, &a("canon_b_v.conv"), n_kv_heads * head_dim, &c)?,
+                    ])
+                })?);
             }
         }
         Ok(Self {
@@ -294,6 +330,7 @@ impl Attention {
             dequantize_kv_reads: ctx.weights.dispatch().dequantize_kv_reads,
             masked_attention_ops: ctx.weights.dispatch().masked_attention_ops,
             hidden,
+            shard: ctx.weights.shard().cloned(),
         })
     }
 
@@ -317,6 +354,21 @@ impl Attention {
         matches!(self.qkv, FusedLinear::One { .. })
             && !matches!(self.qk_norm, QkNorm::PreRope | QkNorm::Full)
             && self.canon_b.is_none()
+    }
+
+    /// RMS norm over the whole projection (all heads). Under --tp the
+    /// rank holds its heads' part: the squares are summed over the ranks.
+    fn norm_full_width(&self, p: &Params, norm: &RmsNorm, x: &Array) -> Result<Array> {
+        let Some(shard) = &self.shard else {
+            return norm.forward(p, x);
+        };
+        let xf = x.as_dtype(Dtype::Float32)?;
+        let squares = shard.all_sum(&ops::square(&xf)?.sum_axis(-1, true)?)?;
+        let width = (x.shape()[x.ndim() - 1] as usize * shard.size()) as f32;
+        let mean = ops::divide(&squares, Array::from_f32(width))?;
+        let inv = ops::rsqrt(ops::add(&mean, Array::from_f32(norm.eps))?)?;
+        let y = ops::multiply(&xf, &inv)?.as_dtype(x.dtype())?;
+        Ok(ops::multiply(&y, p.get(norm.weight)?)?)
     }
 
     fn heads(&self, x: &Array, heads: i32) -> Result<Array> {
@@ -401,6 +453,11 @@ impl Mixer for Attention {
         true
     }
 
+    fn unsharded(&self) -> Option<String> {
+        // Built for its rank's heads (the refusals are in `build`).
+        None
+    }
+
     fn state_len(&self) -> usize {
         self.canon_windows().len()
     }
@@ -453,8 +510,8 @@ impl Mixer for Attention {
             v = cur.canon(p, Some(bv), v, state)?;
         }
         if self.qk_norm == QkNorm::Full {
-            q = self.q_norm.as_ref().expect("loaded").forward(p, &q)?;
-            k = self.k_norm.as_ref().expect("loaded").forward(p, &k)?;
+            q = self.norm_full_width(p, self.q_norm.as_ref().expect("loaded"), &q)?;
+            k = self.norm_full_width(p, self.k_norm.as_ref().expect("loaded"), &k)?;
         }
         if self.qk_are_views() && x.shape()[0] * x.shape()[1] > 1 {
             // Several rows of q and k as views of the fused q/k/v product

@@ -3,6 +3,7 @@
 //! sigmoid group routing). Expert weights are stacked `[E, out, in]` and
 //! applied with `gather_mm`/`gather_qmm`, as mlx-lm's `SwitchGLU`/`SwitchMLP`.
 
+use mlex_core::distributed::{Shard, Split};
 use mlex_core::error::{Error, Result};
 use mlex_core::nn::{load_quantized, relu2, swiglu, FusedLinear, Linear, Product, Quantized};
 use mlex_core::params::{ParamId, Params};
@@ -129,6 +130,8 @@ pub struct QwenMoe {
     top_k: i32,
     norm_topk_prob: bool,
     shared: Option<(Box<Ffn>, Linear)>,
+    /// Under --tp: the group the experts' partial outputs are summed over.
+    reduce: Option<Shard>,
 }
 
 /// NemotronH MoE: sigmoid router with score-correction bias and group
@@ -145,6 +148,8 @@ pub struct NemotronMoe {
     norm_topk_prob: bool,
     routed_scaling: f32,
     shared: Option<Box<Ffn>>,
+    /// Under --tp: the group the experts' partial outputs are summed over.
+    reduce: Option<Shard>,
 }
 
 /// A feed-forward block.
@@ -199,30 +204,73 @@ pub struct FfnSpec {
     pub routed_scaling: f32,
 }
 
+/// This rank's part of an inner width under --tp (all of it on one
+/// device); a width the ranks do not divide is an error naming it.
+fn rank_width(ld: &WeightLoader, prefix: &str, width: i32, what: &str) -> Result<i32> {
+    let Some(shard) = ld.shard() else {
+        return Ok(width);
+    };
+    let n = shard.size() as i32;
+    if width % n != 0 {
+        return Err(Error::Other(format!(
+            "{prefix}: {what}intermediate size {width} does not split into {n} equal parts (--tp {n})"
+        )));
+    }
+    Ok(width / n)
+}
+
 impl Ffn {
+    /// `None` when the feed-forward splits across `--tp` ranks (the MLPs);
+    /// otherwise its kind.
+    pub fn unsharded(&self) -> Option<String> {
+        match self {
+            Ffn::SwiGlu { .. } | Ffn::Relu2 { .. } | Ffn::QwenMoe(_) | Ffn::NemotronMoe(_) => None,
+        }
+    }
+
     /// Loads the block under `prefix`.
     pub fn load(ld: &mut WeightLoader, prefix: &str, s: &FfnSpec) -> Result<Self> {
         let path = |n: &str| format!("{prefix}.{n}");
+        // Under --tp an MLP's inner width is split: gate/up by their
+        // output rows, down by its input columns (one sum over ranks).
+        // Experts split the same way: each keeps its part of every
+        // expert's inner width, the router stays whole.
+        let inner = match s.kind {
+            FfnKind::Swiglu | FfnKind::Relu2 => rank_width(ld, prefix, s.intermediate, "")?,
+            _ => s.intermediate,
+        };
+        let moe_inner = match s.kind {
+            FfnKind::QwenMoe | FfnKind::NemotronMoe => {
+                rank_width(ld, prefix, s.moe_intermediate, "expert ")?
+            }
+            _ => s.moe_intermediate,
+        };
+        let reduce = ld.shard().cloned();
         Ok(match s.kind {
             FfnKind::Swiglu => Ffn::SwiGlu {
-                gate_up: FusedLinear::load(
-                    ld,
-                    &[
-                        (&path("gate_proj"), s.intermediate),
-                        (&path("up_proj"), s.intermediate),
-                    ],
-                    s.hidden,
-                    s.bias,
-                )?,
-                down: Linear::load(ld, &path("down_proj"), s.intermediate, s.hidden, s.bias)?,
+                gate_up: ld.with_split(Split::Output, |ld| {
+                    FusedLinear::load(
+                        ld,
+                        &[(&path("gate_proj"), inner), (&path("up_proj"), inner)],
+                        s.hidden,
+                        s.bias,
+                    )
+                })?,
+                down: ld.with_split(Split::Input, |ld| {
+                    Linear::load(ld, &path("down_proj"), inner, s.hidden, s.bias)
+                })?,
             },
             FfnKind::Relu2 => Ffn::Relu2 {
-                up: Linear::load(ld, &path("up_proj"), s.hidden, s.intermediate, s.bias)?,
-                down: Linear::load(ld, &path("down_proj"), s.intermediate, s.hidden, s.bias)?,
+                up: ld.with_split(Split::Output, |ld| {
+                    Linear::load(ld, &path("up_proj"), s.hidden, inner, s.bias)
+                })?,
+                down: ld.with_split(Split::Input, |ld| {
+                    Linear::load(ld, &path("down_proj"), inner, s.hidden, s.bias)
+                })?,
             },
             FfnKind::QwenMoe => {
                 let e = s.experts;
-                let m = s.moe_intermediate;
+                let m = moe_inner;
                 let shared = if s.shared_intermediate > 0 {
                     let spec = FfnSpec {
                         kind: FfnKind::Swiglu,
@@ -238,29 +286,24 @@ impl Ffn {
                 };
                 Ffn::QwenMoe(QwenMoe {
                     gate: Linear::load(ld, &path("gate"), s.hidden, e, false)?,
-                    gate_proj: SwitchLinear::load(
-                        ld,
-                        &path("switch_mlp.gate_proj"),
-                        e,
-                        s.hidden,
-                        m,
-                    )?,
-                    up_proj: SwitchLinear::load(ld, &path("switch_mlp.up_proj"), e, s.hidden, m)?,
-                    down_proj: SwitchLinear::load(
-                        ld,
-                        &path("switch_mlp.down_proj"),
-                        e,
-                        m,
-                        s.hidden,
-                    )?,
+                    gate_proj: ld.with_split(Split::Output, |ld| {
+                        SwitchLinear::load(ld, &path("switch_mlp.gate_proj"), e, s.hidden, m)
+                    })?,
+                    up_proj: ld.with_split(Split::Output, |ld| {
+                        SwitchLinear::load(ld, &path("switch_mlp.up_proj"), e, s.hidden, m)
+                    })?,
+                    down_proj: ld.with_split(Split::Input, |ld| {
+                        SwitchLinear::load(ld, &path("switch_mlp.down_proj"), e, m, s.hidden)
+                    })?,
                     top_k: s.top_k,
                     norm_topk_prob: s.norm_topk_prob,
                     shared,
+                    reduce,
                 })
             }
             FfnKind::NemotronMoe => {
                 let e = s.experts;
-                let m = s.moe_intermediate;
+                let m = moe_inner;
                 let shared = if s.shared_intermediate > 0 {
                     let spec = FfnSpec {
                         kind: FfnKind::Relu2,
@@ -274,14 +317,19 @@ impl Ffn {
                 Ffn::NemotronMoe(NemotronMoe {
                     gate_weight: ld.take(&path("gate.weight"), &[e, s.hidden])?,
                     correction_bias: ld.take(&path("gate.e_score_correction_bias"), &[e])?,
-                    fc1: SwitchLinear::load(ld, &path("switch_mlp.fc1"), e, s.hidden, m)?,
-                    fc2: SwitchLinear::load(ld, &path("switch_mlp.fc2"), e, m, s.hidden)?,
+                    fc1: ld.with_split(Split::Output, |ld| {
+                        SwitchLinear::load(ld, &path("switch_mlp.fc1"), e, s.hidden, m)
+                    })?,
+                    fc2: ld.with_split(Split::Input, |ld| {
+                        SwitchLinear::load(ld, &path("switch_mlp.fc2"), e, m, s.hidden)
+                    })?,
                     top_k: s.top_k,
                     n_group: s.n_group.max(1),
                     topk_group: s.topk_group.max(1),
                     norm_topk_prob: s.norm_topk_prob,
                     routed_scaling: s.routed_scaling,
                     shared,
+                    reduce,
                 })
             }
             FfnKind::None => {
@@ -419,6 +467,9 @@ impl QwenMoe {
         let mut y = ops::multiply(&y, scores.expand_dims(-1)?)?
             .sum_axis(-2, false)?
             .as_dtype(dtype)?;
+        if let Some(shard) = &self.reduce {
+            y = shard.all_sum(&y)?;
+        }
         if let Some((shared, gate)) = &self.shared {
             let s = shared.forward(p, x, None)?;
             let g = ops::sigmoid(gate.forward(p, x)?)?;
@@ -464,6 +515,9 @@ impl NemotronMoe {
         let mut y = ops::multiply(&y, w.expand_dims(-1)?)?
             .sum_axis(-2, false)?
             .as_dtype(dtype)?;
+        if let Some(shard) = &self.reduce {
+            y = shard.all_sum(&y)?;
+        }
         if let Some(shared) = &self.shared {
             y = ops::add(&y, shared.forward(p, x, None)?)?;
         }

@@ -16,7 +16,8 @@ use crate::block::size;
 use mlex_cache::{conv_window_into, StateCache};
 use mlex_core::cache::Cache;
 use mlex_core::dispatch::Dispatch;
-use mlex_core::error::Result;
+use mlex_core::distributed::Split;
+use mlex_core::error::{Error, Result};
 use mlex_core::layer::{BuildCtx, Carry, Mixer, State, StateKind};
 use mlex_core::nn::{silu, DepthwiseConv, FusedLinear, Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
@@ -114,6 +115,22 @@ impl GatedDelta {
                 format!("{nv} value heads are not a multiple of {nk} key heads"),
             ));
         }
+        // Under --tp each rank keeps whole key heads and the value heads
+        // that read them (value head h reads key head h / (nv / nk)).
+        let (nk, nv) = match ctx.weights.shard() {
+            None => (nk, nv),
+            Some(shard) => {
+                let n = shard.size() as i32;
+                if nk % n != 0 {
+                    return Err(Error::Other(format!(
+                        "--tp {n}: gated_delta of layer {} ({}) cannot be split: {nk} key heads \
+                         (linear_num_key_heads) do not split into {n} equal parts",
+                        ctx.index, ctx.prefix
+                    )));
+                }
+                (nk / n, nv / n)
+            }
+        };
         let eps = o.norm_eps as f32;
         let mixer_prefix = ctx.path(&o.mixer);
         let m = |n: &str| format!("{mixer_prefix}.{n}");
@@ -138,12 +155,30 @@ impl GatedDelta {
             ),
         };
         let parts: Vec<(&str, i32)> = parts.iter().map(|(n, w)| (n.as_str(), *w)).collect();
-        let proj = FusedLinear::load(ctx.weights, &parts, hidden, false)?;
-        let conv = DepthwiseConv::load(ctx.weights, &m("conv1d"), conv_dim, kernel, false)?;
-        let dt_bias = ctx.weights.take(&m("dt_bias"), &[nv])?;
-        let a_log = ctx.weights.take(&m("A_log"), &[nv])?;
-        let norm = RmsNorm::load(ctx.weights, &m("norm"), dv, eps)?;
-        let out_proj = Linear::load(ctx.weights, &m("out_proj"), value_dim, hidden, false)?;
+        // The conv channels (and Qwen3.5's in_proj_qkv rows) are q | k | v:
+        // each segment splits by heads. Qwen3-Next's projections are
+        // grouped per key head and split as they are.
+        let qkv_segments = [key_dim, key_dim, value_dim];
+        let ld = &mut *ctx.weights;
+        let proj = ld.with_split(Split::Output, |ld| {
+            ld.with_segments(&m("in_proj_qkv"), &qkv_segments, |ld| {
+                FusedLinear::load(ld, &parts, hidden, false)
+            })
+        })?;
+        let (conv, dt_bias, a_log) = ld.with_split(Split::Leading, |ld| {
+            let conv = ld.with_segments(&m("conv1d"), &qkv_segments, |ld| {
+                DepthwiseConv::load(ld, &m("conv1d"), conv_dim, kernel, false)
+            })?;
+            Ok((
+                conv,
+                ld.take(&m("dt_bias"), &[nv])?,
+                ld.take(&m("A_log"), &[nv])?,
+            ))
+        })?;
+        let norm = RmsNorm::load(ld, &m("norm"), dv, eps)?;
+        let out_proj = ld.with_split(Split::Input, |ld| {
+            Linear::load(ld, &m("out_proj"), value_dim, hidden, false)
+        })?;
         Ok(GatedDelta {
             layout,
             proj,
@@ -282,6 +317,11 @@ impl Mixer for GatedDelta {
 
     fn grows(&self) -> bool {
         false
+    }
+
+    fn unsharded(&self) -> Option<String> {
+        // Built for its rank's heads (the refusal is in `build`).
+        None
     }
 
     fn state_len(&self) -> usize {

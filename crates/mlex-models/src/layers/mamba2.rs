@@ -8,7 +8,8 @@
 use crate::block::size;
 use mlex_cache::{conv_window_into, StateCache};
 use mlex_core::cache::Cache;
-use mlex_core::error::Result;
+use mlex_core::distributed::Split;
+use mlex_core::error::{Error, Result};
 use mlex_core::layer::{BuildCtx, Carry, Mixer, State, StateKind};
 use mlex_core::nn::{silu, softplus, swiglu, DepthwiseConv, Linear};
 use mlex_core::params::{ParamId, Params};
@@ -110,6 +111,23 @@ impl Mamba2 {
                 format!("{groups} groups do not divide mamba_num_heads {heads}"),
             ));
         }
+        // Under --tp each rank keeps whole B/C groups and their heads, so
+        // the grouped norm stays local.
+        let (heads, groups) = match ctx.weights.shard() {
+            None => (heads, groups),
+            Some(shard) => {
+                let n = shard.size() as i32;
+                if groups % n != 0 {
+                    return Err(Error::Other(format!(
+                        "--tp {n}: mamba2 of layer {} ({}) cannot be split: {groups} B/C groups \
+                         (n_groups) do not split into {n} equal parts (the gated norm is \
+                         grouped by them)",
+                        ctx.index, ctx.prefix
+                    )));
+                }
+                (heads / n, groups / n)
+            }
+        };
         let eps = o.norm_eps as f32;
         let inner = heads * head_dim;
         let conv_dim = inner + 2 * groups * state_dim;
@@ -120,27 +138,45 @@ impl Mamba2 {
         };
         let mixer_prefix = ctx.path(&o.mixer);
         let m = |n: &str| format!("{mixer_prefix}.{n}");
+        let gn = groups * state_dim;
+        // in_proj's rows are gate | x | B | C | dt and the conv channels
+        // x | B | C: each segment splits by heads or groups.
+        let ld = &mut *ctx.weights;
+        let in_proj = ld.with_split(Split::Output, |ld| {
+            ld.with_segments(&m("in_proj"), &[inner, inner, gn, gn, heads], |ld| {
+                Linear::load(
+                    ld,
+                    &m("in_proj"),
+                    hidden,
+                    inner + conv_dim + heads,
+                    proj_bias,
+                )
+            })
+        })?;
+        let (conv, dt_bias, a_log, d, gate_norm) = ld.with_split(Split::Leading, |ld| {
+            let conv = ld.with_segments(&m("conv1d"), &[inner, gn, gn], |ld| {
+                DepthwiseConv::load(ld, &m("conv1d"), conv_dim, kernel, o.use_conv_bias)
+            })?;
+            Ok((
+                conv,
+                ld.take(&m("dt_bias"), &[heads])?,
+                ld.take(&m("A_log"), &[heads])?,
+                ld.take(&m("D"), &[heads])?,
+                ld.take(&m("norm.weight"), &[inner])?,
+            ))
+        })?;
+        let out_proj = ld.with_split(Split::Input, |ld| {
+            Linear::load(ld, &m("out_proj"), inner, hidden, proj_bias)
+        })?;
         Ok(Mamba2 {
             eps,
-            in_proj: Linear::load(
-                ctx.weights,
-                &m("in_proj"),
-                hidden,
-                inner + conv_dim + heads,
-                proj_bias,
-            )?,
-            conv: DepthwiseConv::load(
-                ctx.weights,
-                &m("conv1d"),
-                conv_dim,
-                kernel,
-                o.use_conv_bias,
-            )?,
-            dt_bias: ctx.weights.take(&m("dt_bias"), &[heads])?,
-            a_log: ctx.weights.take(&m("A_log"), &[heads])?,
-            d: ctx.weights.take(&m("D"), &[heads])?,
-            gate_norm: ctx.weights.take(&m("norm.weight"), &[inner])?,
-            out_proj: Linear::load(ctx.weights, &m("out_proj"), inner, hidden, proj_bias)?,
+            in_proj,
+            conv,
+            dt_bias,
+            a_log,
+            d,
+            gate_norm,
+            out_proj,
             heads,
             head_dim,
             state_dim,
@@ -321,6 +357,11 @@ impl Mixer for Mamba2 {
 
     fn grows(&self) -> bool {
         false
+    }
+
+    fn unsharded(&self) -> Option<String> {
+        // Built for its rank's groups and heads (the refusal is in `build`).
+        None
     }
 
     fn state_len(&self) -> usize {

@@ -1,0 +1,308 @@
+//! `--tp`: two ranks over loopback (MLX's ring backend, two processes of
+//! the `mlex` binary started by its own launcher) against one device, on
+//! f32 fixtures of every built-in architecture, GGUF files, quantized
+//! weights and the TOML-only specs; and the errors a split run gives.
+
+use assert_cmd::Command;
+use mlex_testkit::*;
+use serde_json::Value;
+use std::path::PathBuf;
+
+fn mlex(f: &Fixture) -> Command {
+    let mut c = Command::cargo_bin("mlex").unwrap();
+    c.env_remove("MLEX_ARCH_PATH");
+    // A rank's environment comes from the launcher only.
+    for v in ["MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE"] {
+        c.env_remove(v);
+    }
+    for p in f.arch_paths() {
+        c.arg("--arch-file").arg(p);
+    }
+    c
+}
+
+fn ids_arg(ids: &[i32]) -> String {
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The fixture's model: its directory, or the one GGUF file in it.
+fn model_path(f: &Fixture) -> PathBuf {
+    let dir = path_of(f);
+    let gguf = dir.join("model.gguf");
+    if f.layout == "gguf" && gguf.exists() {
+        gguf
+    } else {
+        dir
+    }
+}
+
+/// `mlex logits` of the reference prompt on `tp` ranks.
+fn logits(f: &Fixture, prompt: &[i32], tp: u32) -> Vec<f32> {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("l.npy");
+    mlex(f)
+        .args(["logits", "--model"])
+        .arg(model_path(f))
+        .args([
+            "--prompt-ids",
+            &ids_arg(prompt),
+            "--tp",
+            &tp.to_string(),
+            "--out",
+        ])
+        .arg(&out)
+        .assert()
+        .success();
+    to_f32(&mlx_rs::Array::load_numpy(&out).unwrap())
+}
+
+/// Greedy token ids of `mlex generate` on `tp` ranks.
+fn greedy_ids(f: &Fixture, prompt: &[i32], tp: u32, extra: &[&str]) -> Vec<i64> {
+    let out = mlex(f)
+        .args(["generate", "--model"])
+        .arg(model_path(f))
+        .args(["--prompt-ids", &ids_arg(prompt), "--max-tokens", "16"])
+        .args(["--temp", "0", "--ignore-eos", "--format", "json", "--tp"])
+        .arg(tp.to_string())
+        .args(extra)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let text = String::from_utf8_lossy(&out);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .expect("a JSON line");
+    let v: Value = serde_json::from_str(line).unwrap();
+    v["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect()
+}
+
+/// Two ranks give one device's greedy tokens (compiled and eager) and its
+/// logits within 1e-5 of the largest (the ranks sum their products' parts
+/// in another order, so the last bits differ).
+fn two_ranks_equal_one_device(names: &[&str]) {
+    for name in names {
+        let f = fixture(name);
+        let r = reference(&f);
+        let one = logits(&f, &r.prompt, 1);
+        let two = logits(&f, &r.prompt, 2);
+        let (d, m) = max_diff(&two, &one);
+        assert!(
+            d <= 1e-5 * m.max(1.0),
+            "{name}: logits differ by {d} (largest {m})"
+        );
+        for extra in [&[][..], &["--no-compile"][..]] {
+            let want = greedy_ids(&f, &r.prompt, 1, extra);
+            assert_eq!(
+                greedy_ids(&f, &r.prompt, 2, extra),
+                want,
+                "{name} {extra:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn two_ranks_equal_one_device_on_dense_architectures() {
+    two_ranks_equal_one_device(&[
+        "llama-f32",
+        "qwen2-f32",
+        "qwen3-f32",
+        "mistral-f32",
+        "granite-f32",
+        "stablelm-f32",
+        "smollm3-f32",
+        "phi3-f32",
+        "olmo2-f32",
+        "olmo3-f32",
+        "dhara-f32",
+    ]);
+}
+
+#[test]
+fn two_ranks_equal_one_device_on_hybrids() {
+    two_ranks_equal_one_device(&[
+        "qwen3_5-f32",
+        "qwen3_next-f32",
+        "nemotron_h-f32",
+        "hybrid_mix-f32",
+    ]);
+}
+
+#[test]
+fn two_ranks_equal_one_device_on_moe_gguf_and_quantized_weights() {
+    two_ranks_equal_one_device(&[
+        "qwen3_moe-f32",
+        "qwen3_5_moe-f32",
+        "qwen3_next-moe-f32",
+        "qwen2_moe-f32",
+        "gguf-qwen3_5-f32",
+        "gguf-nemotron_h-f32",
+        "gguf-qwen3_next-f32",
+        "llama-q4-g32",
+    ]);
+}
+
+/// `bench --format json` of `f` on `tp` ranks (rank 0's report).
+fn bench(f: &Fixture, tp: u32) -> Value {
+    let out = mlex(f)
+        .args([
+            "bench",
+            "--prompt-len",
+            "8",
+            "--gen",
+            "4",
+            "--format",
+            "json",
+            "--model",
+        ])
+        .arg(model_path(f))
+        .args(["--tp", &tp.to_string()])
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let text = String::from_utf8_lossy(&out);
+    serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap()
+}
+
+#[test]
+fn each_rank_holds_its_part_of_the_split_weights() {
+    // qwen3_5-f32: what stays whole on every rank is the tied embedding
+    // (256 x 64), the norms and the per-head q/k norms; everything else
+    // halves.
+    let f = fixture("qwen3_5-f32");
+    let one = bench(&f, 1);
+    let two = bench(&f, 2);
+    assert_eq!(two["dispatch"]["tensor_parallel"]["size"], 2);
+    assert_eq!(two["dispatch"]["tensor_parallel"]["backend"], "ring");
+    assert!(one["dispatch"]["tensor_parallel"].is_null());
+    let (w1, w2) = (
+        one["weight_bytes"].as_f64().unwrap(),
+        two["weight_bytes"].as_f64().unwrap(),
+    );
+    let embed = (256 * 64 * 4) as f64;
+    assert!(w2 < w1, "{w2} >= {w1}");
+    let split = w1 - embed;
+    assert!(
+        (w2 - embed - split / 2.0).abs() < 0.05 * split,
+        "rank 0 holds {w2} bytes of {w1} (embedding {embed})"
+    );
+}
+
+#[test]
+fn speculative_lookup_under_two_ranks_equals_one_device() {
+    let f = fixture("qwen3_5-f32");
+    let r = reference(&f);
+    let want = greedy_ids(&f, &r.prompt, 1, &[]);
+    assert_eq!(greedy_ids(&f, &r.prompt, 2, &["--lookup"]), want);
+}
+
+fn failure(f: &Fixture, args: &[&str]) -> String {
+    let out = mlex(f)
+        .args(args)
+        .arg("--model")
+        .arg(model_path(f))
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn ranks_that_cannot_split_a_layer_fail_naming_it_and_the_rank() {
+    // 2 key/value heads do not split three ways: every rank says so, the
+    // launcher names the rank that failed first and stops the others.
+    let f = fixture("llama-f32");
+    let err = failure(&f, &["generate", "--prompt-ids", "1,2", "--tp", "3"]);
+    assert!(
+        err.contains("2 key/value heads do not split into 3"),
+        "{err}"
+    );
+    assert!(err.contains("[rank "), "{err}");
+    assert!(err.contains("the other ranks were stopped"), "{err}");
+    // Whole quantization groups only.
+    let f = fixture("llama-q4");
+    let err = failure(
+        &f,
+        &[
+            "generate",
+            "--prompt-ids",
+            "1,2",
+            "--tp",
+            "2",
+            "--weights",
+            "stored",
+        ],
+    );
+    assert!(err.contains("o_proj") && err.contains("--tp 2"), "{err}");
+}
+
+#[test]
+fn commands_that_cannot_run_split_refuse_tp_by_name() {
+    let f = fixture("llama-f32");
+    for args in [
+        &["serve", "--tp", "2"][..],
+        &["chat", "--tp", "2"][..],
+        &["perplexity", "--data", "x.txt", "--tp", "2"][..],
+        &["bench", "--batch", "4", "--tp", "2"][..],
+    ] {
+        let err = failure(&f, args);
+        assert!(
+            err.contains("invalid --tp: not yet with"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            !err.contains("[rank"),
+            "refused before any rank starts: {err}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_with_a_hostfile_that_lies_fails_naming_it() {
+    let f = fixture("llama-f32");
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts.json");
+    std::fs::write(&hosts, r#"[["127.0.0.1:1"]]"#).unwrap();
+    let out = mlex(&f)
+        .env("MLX_RANK", "0")
+        .env("MLX_HOSTFILE", &hosts)
+        .args(["generate", "--prompt-ids", "1,2", "--tp", "2", "--model"])
+        .arg(model_path(&f))
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("MLX_HOSTFILE") && err.contains("lists 1 ranks"),
+        "{err}"
+    );
+    let out = mlex(&f)
+        .env("MLX_RANK", "0")
+        .args(["generate", "--prompt-ids", "1,2", "--tp", "2", "--model"])
+        .arg(model_path(&f))
+        .assert()
+        .failure()
+        .get_output()
+        .clone();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("MLX_HOSTFILE") && err.contains("not set"),
+        "{err}"
+    );
+}

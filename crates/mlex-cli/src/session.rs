@@ -139,6 +139,15 @@ pub fn load_for(
             loaded.fingerprint, q.bits, q.group_size, q.start
         );
     }
+    if let Some(shard) = &loaded.model.dispatch.tensor_parallel {
+        // Each rank's caches hold its heads: one prompt-cache file a rank.
+        loaded.fingerprint = format!(
+            "{}-tp{}of{}",
+            loaded.fingerprint,
+            shard.rank(),
+            shard.size()
+        );
+    }
     Ok(loaded)
 }
 

@@ -306,3 +306,82 @@ fn a_rank_with_a_hostfile_that_lies_fails_naming_it() {
         "{err}"
     );
 }
+
+/// `generate --format json` lines of `args` on `tp` ranks, by `index` for a
+/// prompts file (one line otherwise): `(token_ids, reused_prompt_tokens)`.
+fn runs(f: &Fixture, tp: u32, args: &[&str]) -> Vec<(Value, Value)> {
+    let out = mlex(f)
+        .args(["generate", "--model"])
+        .arg(model_path(f))
+        .args(["--temp", "0", "--ignore-eos", "--format", "json", "--tp"])
+        .arg(tp.to_string())
+        .args(args)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let mut lines: Vec<Value> = String::from_utf8_lossy(&out)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    lines.sort_by_key(|v| v["index"].as_u64());
+    lines
+        .into_iter()
+        .map(|v| (v["token_ids"].clone(), v["reused_prompt_tokens"].clone()))
+        .collect()
+}
+
+#[test]
+fn batched_decoding_under_two_ranks_equals_one_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("p.txt");
+    std::fs::write(&prompts, "1,2,3\n4,5,6,7,8\n9,10\n11,12,13,14,15,16,17\n").unwrap();
+    for name in ["qwen3_5-f32", "nemotron_h-f32", "llama-f32"] {
+        let f = fixture(name);
+        let args = [
+            "--prompts-file",
+            prompts.to_str().unwrap(),
+            "--ids",
+            "--batch",
+            "2",
+            "--max-tokens",
+            "10",
+        ];
+        let one = runs(&f, 1, &args);
+        assert_eq!(one.len(), 4, "{name}");
+        assert_eq!(runs(&f, 2, &args), one, "{name}");
+    }
+}
+
+#[test]
+fn a_prefix_restored_under_two_ranks_equals_a_cold_prefill_on_one_device() {
+    let f = fixture("qwen3_5-f32");
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().to_str().unwrap();
+    let first: Vec<String> = (1..=40).map(|t| t.to_string()).collect();
+    let longer = format!("{},77,78,79", first.join(","));
+    let cached = |ids: &str, n: &str| {
+        runs(
+            &f,
+            2,
+            &[
+                "--prompt-ids",
+                ids,
+                "--max-tokens",
+                n,
+                "--prompt-cache",
+                cache,
+            ],
+        )
+    };
+    cached(&first.join(","), "4");
+    // Each rank keeps its own file: its caches hold its heads.
+    let files = std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(files, 2);
+    let warm = cached(&longer, "8");
+    assert_eq!(warm[0].1, 40, "the 40-token prefix is restored");
+    let cold = runs(&f, 1, &["--prompt-ids", &longer, "--max-tokens", "8"]);
+    assert_eq!(warm[0].0, cold[0].0);
+}

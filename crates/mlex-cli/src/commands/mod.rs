@@ -62,16 +62,7 @@ pub fn run(cli: Cli) -> Result<()> {
 /// yet (checked before any rank starts).
 fn tensor_parallel(command: &Command) -> Result<u32> {
     let (tp, refused) = match command {
-        Command::Generate(a) => (
-            a.model.tp,
-            if a.prompts_file.is_some() {
-                Some("--prompts-file (batched decoding)")
-            } else if a.prompt_cache.is_some() {
-                Some("--prompt-cache")
-            } else {
-                None
-            },
-        ),
+        Command::Generate(a) => (a.model.tp, None),
         Command::Bench(a) => (
             a.model.tp,
             (a.batch.is_some() || a.shared_prefix.is_some())

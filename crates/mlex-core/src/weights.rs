@@ -347,14 +347,6 @@ impl WeightLoader {
         out
     }
 
-    /// Runs `f` with tensors taken whole even inside a split scope.
-    pub fn whole<T>(&mut self, f: impl FnOnce(&mut WeightLoader) -> Result<T>) -> Result<T> {
-        let outer = self.split.take();
-        let out = f(self);
-        self.split = outer;
-        out
-    }
-
     /// The backend policy layers are built with.
     pub fn dispatch(&self) -> &Dispatch {
         &self.dispatch

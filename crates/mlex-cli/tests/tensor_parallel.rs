@@ -211,7 +211,13 @@ fn speculative_lookup_under_two_ranks_equals_one_device() {
 }
 
 fn failure(f: &Fixture, args: &[&str]) -> String {
+    failure_with(f, &[], args)
+}
+
+/// The stderr of a failing run of `args` with `envs` set.
+fn failure_with(f: &Fixture, envs: &[(&str, &std::ffi::OsStr)], args: &[&str]) -> String {
     let out = mlex(f)
+        .envs(envs.iter().copied())
         .args(args)
         .arg("--model")
         .arg(model_path(f))
@@ -278,29 +284,18 @@ fn a_rank_with_a_hostfile_that_lies_fails_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let hosts = dir.path().join("hosts.json");
     std::fs::write(&hosts, r#"[["127.0.0.1:1"]]"#).unwrap();
-    let out = mlex(&f)
-        .env("MLX_RANK", "0")
-        .env("MLX_HOSTFILE", &hosts)
-        .args(["generate", "--prompt-ids", "1,2", "--tp", "2", "--model"])
-        .arg(model_path(&f))
-        .assert()
-        .failure()
-        .get_output()
-        .clone();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let args = ["generate", "--prompt-ids", "1,2", "--tp", "2"];
+    let rank = std::ffi::OsStr::new("0");
+    let err = failure_with(
+        &f,
+        &[("MLX_RANK", rank), ("MLX_HOSTFILE", hosts.as_os_str())],
+        &args,
+    );
     assert!(
         err.contains("MLX_HOSTFILE") && err.contains("lists 1 ranks"),
         "{err}"
     );
-    let out = mlex(&f)
-        .env("MLX_RANK", "0")
-        .args(["generate", "--prompt-ids", "1,2", "--tp", "2", "--model"])
-        .arg(model_path(&f))
-        .assert()
-        .failure()
-        .get_output()
-        .clone();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = failure_with(&f, &[("MLX_RANK", rank)], &args);
     assert!(
         err.contains("MLX_HOSTFILE") && err.contains("not set"),
         "{err}"

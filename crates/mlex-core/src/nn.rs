@@ -222,25 +222,21 @@ impl Linear {
     /// Applies the layer to `x` (`[..., in]`).
     pub fn forward(&self, p: &Params, x: &Array) -> Result<Array> {
         let Some(shard) = &self.reduce else {
-            return self.forward_local(p, x);
+            return self.product_plus(p, x, self.bias);
         };
         // The bias once, after the parts are summed.
-        let local = Linear {
-            bias: None,
-            reduce: None,
-            ..self.clone()
-        };
-        let y = shard.all_sum(&local.forward_local(p, x)?)?;
+        let y = shard.all_sum(&self.product_plus(p, x, None)?)?;
         match self.bias {
             Some(b) => Ok(ops::add(&y, p.get(b)?)?),
             None => Ok(y),
         }
     }
 
-    fn forward_local(&self, p: &Params, x: &Array) -> Result<Array> {
+    /// `x W^T` (this rank's part under --tp), plus `bias` when given.
+    fn product_plus(&self, p: &Params, x: &Array, bias: Option<ParamId>) -> Result<Array> {
         let w = p.get(self.weight)?;
         match &self.quant {
-            None => match self.bias {
+            None => match bias {
                 // mlx.nn.Linear uses addmm when it has a bias.
                 Some(b) => match self.product.few_rows(x, w)? {
                     Some(y) => Ok(ops::add(&y, p.get(b)?)?),
@@ -252,7 +248,7 @@ impl Linear {
                 let y =
                     self.product
                         .quantized(x, w, p.get(q.scales)?, p.get(q.biases)?, &q.spec)?;
-                match self.bias {
+                match bias {
                     Some(b) => Ok(ops::add(&y, p.get(b)?)?),
                     None => Ok(y),
                 }

@@ -16,12 +16,20 @@
 //! columns every row masks are dropped when the batch is compacted
 //! ([`BatchKvCache::select_rows`]). mlx-lm's `BatchKVCache` uses the same
 //! left-padded layout but filters rows (a copy) on every departure.
+//!
+//! A batched speculative round writes the same `T` columns for every row
+//! and each row keeps its own accepted prefix ([`Cache::trim_rows`]): the
+//! shared column moves by the most any row kept, and a row that kept fewer
+//! leaves *holes*, columns inside its span that its mask hides and its
+//! RoPE position does not count. Holes cost attention work and memory
+//! until the batch squeezes them out (one gather, when a row's holes pass
+//! a quarter of the columns) or the row leaves.
 
 use crate::kv::KV_STEP;
 use mlex_core::cache::{AttentionMask, Cache, CacheTensors, KvAccess};
 use mlex_core::error::{Error, Result};
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
-use mlx_rs::{ops, Array};
+use mlx_rs::{ops, Array, Dtype};
 use std::collections::BTreeMap;
 
 /// A left-padded key/value cache of `rows` slots.
@@ -32,7 +40,18 @@ pub struct BatchKvCache {
     left_pad: Vec<usize>,
     free: Vec<bool>,
     idx: usize,
+    /// `[rows, capacity]` bool, true where a column inside a row's span is
+    /// hidden from it (a rejected speculative token); `None` while no row
+    /// has any.
+    holes: Option<Array>,
+    /// Per row, the columns of its holes (ascending; the host's copy of
+    /// `holes`).
+    hole_cols: Vec<Vec<usize>>,
 }
+
+/// A row squeezes its holes out once it has at least this many (and a
+/// quarter of the columns).
+const SQUEEZE_MIN_HOLES: usize = 64;
 
 impl BatchKvCache {
     /// An empty cache of `rows` free slots.
@@ -43,6 +62,8 @@ impl BatchKvCache {
             left_pad: vec![0; rows],
             free: vec![true; rows],
             idx: 0,
+            holes: None,
+            hole_cols: vec![Vec::new(); rows],
         }
     }
 
@@ -56,9 +77,14 @@ impl BatchKvCache {
         self.idx
     }
 
-    /// Tokens held by row `r`.
+    /// Tokens held by row `r` (its holes not counted).
     pub fn row_len(&self, r: usize) -> usize {
-        self.idx - self.left_pad[r]
+        self.idx - self.left_pad[r] - self.hole_cols[r].len()
+    }
+
+    /// Columns inside row `r`'s span that it does not see.
+    pub fn holes(&self, r: usize) -> usize {
+        self.hole_cols[r].len()
     }
 
     fn capacity(&self) -> usize {
@@ -103,18 +129,32 @@ impl BatchKvCache {
             )?)
         };
         let (mut nk, mut nv) = (zeros(like_k)?, zeros(like_v)?);
+        let mut nh = match &self.holes {
+            Some(_) => Some(ops::zeros_dtype(&[rows, cap as i32], Dtype::Bool)?),
+            None => None,
+        };
         if let (Some(k), Some(v)) = (&self.keys, &self.values) {
             if kept > 0 {
                 let (from, to) = (shift as i32, (shift + kept) as i32);
                 let (a, b) = (drop as i32, self.idx as i32);
                 nk.try_index_mut((.., .., from..to, ..), k.try_index((.., .., a..b, ..))?)?;
                 nv.try_index_mut((.., .., from..to, ..), v.try_index((.., .., a..b, ..))?)?;
+                if let (Some(h), Some(nh)) = (&self.holes, nh.as_mut()) {
+                    nh.try_index_mut((.., from..to), h.try_index((.., a..b))?)?;
+                }
             }
         }
         self.keys = Some(nk);
         self.values = Some(nv);
+        self.holes = nh;
         for p in &mut self.left_pad {
             *p = (*p).max(drop) - drop + shift;
+        }
+        for cols in &mut self.hole_cols {
+            cols.retain(|&c| c >= drop);
+            for c in cols.iter_mut() {
+                *c = *c - drop + shift;
+            }
         }
         self.idx = kept + shift;
         Ok(())
@@ -157,6 +197,136 @@ impl BatchKvCache {
             .try_index_mut((r..r + 1, .., from..to, ..), values)?;
         self.left_pad[row] = self.idx - len;
         self.free[row] = false;
+        self.clear_holes(row)?;
+        Ok(())
+    }
+
+    /// Row `row` has no holes from now on.
+    fn clear_holes(&mut self, row: usize) -> Result<()> {
+        if !self.hole_cols[row].is_empty() {
+            if let Some(h) = self.holes.as_mut() {
+                let r = row as i32;
+                let width = h.shape()[1];
+                h.try_index_mut(r..r + 1, ops::zeros_dtype(&[1, width], Dtype::Bool)?)?;
+            }
+        }
+        self.hole_cols[row].clear();
+        if self.hole_cols.iter().all(Vec::is_empty) {
+            self.holes = None;
+        }
+        Ok(())
+    }
+
+    /// Drops the last `drop[r]` of the columns just written from row `r`
+    /// (see the module docs): the shared column goes back by the fewest
+    /// dropped, and the rest become holes of the rows that dropped more.
+    fn trim_each(&mut self, drop: &[usize]) -> Result<()> {
+        if drop.len() != self.rows() {
+            return Err(Error::Cache(format!(
+                "{} counts to drop for a batch of {} rows",
+                drop.len(),
+                self.rows()
+            )));
+        }
+        let fewest = drop.iter().copied().min().unwrap_or(0);
+        let most = drop.iter().copied().max().unwrap_or(0);
+        if most > self.idx {
+            return Err(Error::Cache(format!(
+                "cannot drop {most} of {} columns",
+                self.idx
+            )));
+        }
+        self.idx -= fewest;
+        // Holes at the dropped columns go (a later write reuses them).
+        let idx = self.idx;
+        if self.hole_cols.iter().flatten().any(|&c| c >= idx) {
+            for cols in &mut self.hole_cols {
+                cols.retain(|&c| c < idx);
+            }
+            if let Some(h) = self.holes.as_mut() {
+                let width = h.shape()[1] - idx as i32;
+                let z = ops::zeros_dtype(&[self.left_pad.len() as i32, width], Dtype::Bool)?;
+                h.try_index_mut((.., idx as i32..), z)?;
+            }
+        }
+        if most == fewest {
+            return Ok(());
+        }
+        // Columns idx - (most - fewest) .. idx: row r hides the last
+        // drop[r] - fewest of them.
+        let width = most - fewest;
+        let mut block = Vec::with_capacity(self.rows() * width);
+        for (r, &d) in drop.iter().enumerate() {
+            let hidden = if self.free[r] { 0 } else { d - fewest };
+            block.extend((0..width).map(|j| j >= width - hidden));
+            let first = self.idx - hidden;
+            self.hole_cols[r].extend(first..self.idx);
+        }
+        let cap = self.capacity() as i32;
+        let holes = match self.holes.take() {
+            Some(h) => h,
+            None => ops::zeros_dtype(&[self.rows() as i32, cap], Dtype::Bool)?,
+        };
+        let mut holes = holes;
+        let (a, b) = ((self.idx - width) as i32, self.idx as i32);
+        holes.try_index_mut(
+            (.., a..b),
+            Array::from_slice(&block, &[self.rows() as i32, width as i32]),
+        )?;
+        self.holes = Some(holes);
+        let worst = self.hole_cols.iter().map(Vec::len).max().unwrap_or(0);
+        if worst >= SQUEEZE_MIN_HOLES && 4 * worst >= self.idx {
+            self.squeeze()?;
+        }
+        Ok(())
+    }
+
+    /// Moves every row's visible columns together, right-aligned at the
+    /// shared column (one gather of the buffers): no holes are left.
+    fn squeeze(&mut self) -> Result<()> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(());
+        };
+        let rows = self.rows();
+        let mut spans: Vec<Vec<i32>> = Vec::with_capacity(rows);
+        for r in 0..rows {
+            let from = self.pad(r);
+            let holes = &self.hole_cols[r];
+            spans.push(
+                (from..self.idx)
+                    .filter(|c| holes.binary_search(c).is_err())
+                    .map(|c| c as i32)
+                    .collect(),
+            );
+        }
+        let width = spans.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let new_cap = (width + 1).div_ceil(KV_STEP) * KV_STEP;
+        // Row r: its columns right-aligned, column 0 repeated in front
+        // (masked by the new left pad).
+        let mut idx = Vec::with_capacity(rows * new_cap);
+        for span in &spans {
+            idx.extend(std::iter::repeat_n(0, width - span.len()));
+            idx.extend(span);
+            idx.extend(std::iter::repeat_n(0, new_cap - width));
+        }
+        let idx = Array::from_slice(&idx, &[rows as i32, 1, new_cap as i32, 1]);
+        let nk = k.take_along_axis(&idx, 2)?;
+        let nv = v.take_along_axis(&idx, 2)?;
+        for (r, span) in spans.iter().enumerate() {
+            if !self.free[r] {
+                self.left_pad[r] = width - span.len();
+            }
+        }
+        for r in 0..rows {
+            if self.free[r] {
+                self.left_pad[r] = width;
+            }
+        }
+        self.keys = Some(nk);
+        self.values = Some(nv);
+        self.idx = width;
+        self.holes = None;
+        self.hole_cols = vec![Vec::new(); rows];
         Ok(())
     }
 
@@ -165,6 +335,10 @@ impl BatchKvCache {
     pub fn free_row(&mut self, row: usize) {
         if let Some(f) = self.free.get_mut(row) {
             *f = true;
+        }
+        // Its holes no longer matter: it sees only the newest column.
+        if row < self.rows() {
+            let _ = self.clear_holes(row);
         }
     }
 
@@ -191,8 +365,13 @@ impl BatchKvCache {
             self.keys = Some(ops::concatenate(&[k, &zk], 0)?);
             self.values = Some(ops::concatenate(&[v, &zv], 0)?);
         }
+        if let Some(h) = &self.holes {
+            let z = ops::zeros_dtype(&[n as i32, h.shape()[1]], Dtype::Bool)?;
+            self.holes = Some(ops::concatenate(&[h, &z], 0)?);
+        }
         self.left_pad.extend(std::iter::repeat_n(self.idx, n));
         self.free.extend(std::iter::repeat_n(true, n));
+        self.hole_cols.extend(std::iter::repeat_n(Vec::new(), n));
         Ok(())
     }
 
@@ -234,13 +413,19 @@ impl KvAccess for BatchKvCache {
     }
 
     fn mask(&self, n: usize) -> Result<AttentionMask> {
-        if n == 1 && (0..self.rows()).all(|r| self.pad(r) == 0) {
+        if n == 1 && self.holes.is_none() && (0..self.rows()).all(|r| self.pad(r) == 0) {
             return Ok(AttentionMask::None);
         }
         // Query i of row r (at column idx + i) sees columns left_pad[r]..=idx+i.
         let cols = ops::arange::<_, i32>(0, (self.idx + n) as i32, None)?;
         let cols = ops::reshape(&cols, &[1, 1, 1, -1])?;
-        let visible = ops::ge(&cols, self.pad_array())?;
+        let mut visible = ops::ge(&cols, self.pad_array())?;
+        if let Some(h) = &self.holes {
+            let rows = self.rows() as i32;
+            let seen = ops::logical_not(h.try_index((.., ..(self.idx + n) as i32))?)?;
+            let seen = ops::reshape(&seen, &[rows, 1, 1, -1])?;
+            visible = ops::logical_and(&visible, &seen)?;
+        }
         if n == 1 {
             return Ok(AttentionMask::Array(visible));
         }
@@ -251,7 +436,7 @@ impl KvAccess for BatchKvCache {
 
     fn positions(&self) -> Result<Option<Array>> {
         let pos: Vec<i32> = (0..self.rows())
-            .map(|r| (self.idx - self.pad(r)) as i32)
+            .map(|r| (self.idx - self.pad(r)).saturating_sub(self.hole_cols[r].len()) as i32)
             .collect();
         Ok(Some(Array::from_slice(&pos, &[pos.len() as i32])))
     }
@@ -307,8 +492,13 @@ impl Cache for BatchKvCache {
             pads.push(self.left_pad[r as usize]);
             free.push(self.free[r as usize]);
         }
+        let cols: Vec<Vec<usize>> = rows
+            .iter()
+            .map(|&r| self.hole_cols[r as usize].clone())
+            .collect();
         self.left_pad = pads;
         self.free = free;
+        self.hole_cols = cols;
         let drop = self.masked_front();
         let idx = Array::from_slice(rows, &[rows.len() as i32]);
         for a in [&mut self.keys, &mut self.values].into_iter().flatten() {
@@ -319,11 +509,43 @@ impl Cache for BatchKvCache {
                 kept
             };
         }
+        for cols in &mut self.hole_cols {
+            cols.retain(|&c| c >= drop);
+            for c in cols.iter_mut() {
+                *c -= drop;
+            }
+        }
+        if let Some(h) = self.holes.take() {
+            let kept = h.take_axis(&idx, 0)?;
+            if self.hole_cols.iter().any(|c| !c.is_empty()) {
+                self.holes = Some(if drop > 0 {
+                    kept.try_index((.., (drop as i32)..))?
+                } else {
+                    kept
+                });
+            }
+        }
         for p in &mut self.left_pad {
             *p = (*p).max(drop) - drop;
         }
         self.idx -= drop;
         Ok(())
+    }
+
+    fn is_trimmable(&self) -> bool {
+        true
+    }
+
+    fn trim(&mut self, n: usize) -> usize {
+        let n = n.min(self.idx);
+        match self.trim_each(&vec![n; self.rows()]) {
+            Ok(()) => n,
+            Err(_) => 0,
+        }
+    }
+
+    fn trim_rows(&mut self, drop: &[usize]) -> Result<()> {
+        self.trim_each(drop)
     }
 
     fn write_row(&mut self, row: usize, from: &dyn Cache) -> Result<()> {
@@ -388,6 +610,111 @@ mod tests {
         assert_eq!((c.rows(), c.columns(), c.row_len(0)), (1, 3, 3));
         assert_eq!(row(&c, 0), [0., 1., 2., 3., 7., 7.]);
         assert!(matches!(c.mask(1).unwrap(), AttentionMask::None));
+    }
+
+    /// Row `r`'s values in the columns its one-query mask lets it see.
+    fn seen(c: &BatchKvCache, r: usize) -> Vec<f32> {
+        let mask = match c.mask(1).unwrap() {
+            AttentionMask::Array(m) => m,
+            _ => return row(c, r),
+        };
+        // The mask also covers the next column (the query's own).
+        let m = mask.try_index(r as i32).unwrap();
+        let m: Vec<bool> = ops::reshape(&m, &[-1]).unwrap().as_slice::<bool>().to_vec();
+        let k = c.keys.clone().unwrap();
+        let part = k
+            .try_index((r as i32..r as i32 + 1, .., ..c.idx as i32, ..))
+            .unwrap();
+        let vals: Vec<f32> = part.as_slice::<f32>().to_vec();
+        (0..c.idx)
+            .filter(|&col| m[col])
+            .flat_map(|col| vals[2 * col..2 * col + 2].to_vec())
+            .collect()
+    }
+
+    fn columns(rows: &[&[f32]]) -> Array {
+        // [rows, 1, T, 2]: each value twice (the head size is 2).
+        let t = rows[0].len();
+        let data: Vec<f32> = rows.iter().flat_map(|r| r.iter().flat_map(|&x| [x, x])).collect();
+        Array::from_slice(&data, &[rows.len() as i32, 1, t as i32, 2])
+    }
+
+    #[test]
+    fn rows_keep_their_own_accepted_prefix_of_a_verified_window() {
+        let mut c = BatchKvCache::new(2);
+        c.write_row(0, &seq(2, 0.0), &seq(2, 0.0)).unwrap();
+        c.write_row(1, &seq(3, 100.0), &seq(3, 100.0)).unwrap();
+        // A verify window of 3 tokens for both rows.
+        let w = columns(&[&[10., 11., 12.], &[110., 111., 112.]]);
+        c.update_and_fetch(&w, &w).unwrap();
+        // Row 0 keeps 3, row 1 keeps 1: the shared column moves by 3,
+        // row 1 hides the 2 it rejected.
+        c.trim_rows(&[0, 2]).unwrap();
+        assert_eq!((c.columns(), c.row_len(0), c.row_len(1), c.holes(1)), (6, 5, 4, 2));
+        assert_eq!(c.positions().unwrap().unwrap().as_slice::<i32>(), &[5, 4]);
+        assert_eq!(seen(&c, 0), [0., 1., 2., 3., 10., 10., 11., 11., 12., 12.]);
+        assert_eq!(
+            seen(&c, 1),
+            [100., 101., 102., 103., 104., 105., 110., 110.]
+        );
+        // A second window: row 1 keeps 2 of 2, row 0 keeps 1; the holes of
+        // row 1 stay hidden, the new ones of row 0 too.
+        let w = columns(&[&[20., 21.], &[120., 121.]]);
+        c.update_and_fetch(&w, &w).unwrap();
+        c.trim_rows(&[1, 0]).unwrap();
+        assert_eq!((c.row_len(0), c.row_len(1), c.holes(0), c.holes(1)), (6, 6, 1, 2));
+        assert_eq!(seen(&c, 0), [0., 1., 2., 3., 10., 10., 11., 11., 12., 12., 20., 20.]);
+        assert_eq!(
+            seen(&c, 1),
+            [100., 101., 102., 103., 104., 105., 110., 110., 120., 120., 121., 121.]
+        );
+        // Both drop the same count: no new holes, the shared column goes back.
+        let w = columns(&[&[30., 31.], &[130., 131.]]);
+        c.update_and_fetch(&w, &w).unwrap();
+        c.trim_rows(&[1, 1]).unwrap();
+        assert_eq!((c.holes(0), c.holes(1), c.row_len(0), c.row_len(1)), (1, 2, 7, 7));
+        // A plain decode step after it sees the kept tokens and no holes.
+        let step = columns(&[&[40.], &[140.]]);
+        c.update_and_fetch(&step, &step).unwrap();
+        assert_eq!(
+            seen(&c, 1),
+            [100., 101., 102., 103., 104., 105., 110., 110., 120., 120., 121., 121., 130., 130., 140., 140.]
+        );
+        // Squeezing moves the seen columns together and changes nothing seen.
+        let before: Vec<Vec<f32>> = (0..2).map(|r| seen(&c, r)).collect();
+        c.squeeze().unwrap();
+        assert_eq!((c.holes(0), c.holes(1)), (0, 0));
+        assert!(c.holes.is_none());
+        assert_eq!(c.positions().unwrap().unwrap().as_slice::<i32>(), &[8, 8]);
+        for (r, b) in before.iter().enumerate() {
+            assert_eq!(&seen(&c, r), b, "row {r}");
+        }
+        // A row that leaves and a newcomer in its slot start with no holes.
+        c.trim_rows(&[0, 0]).unwrap();
+        BatchKvCache::free_row(&mut c, 0);
+        c.write_row(0, &seq(2, 50.0), &seq(2, 50.0)).unwrap();
+        assert_eq!(c.holes(0), 0);
+        assert_eq!(seen(&c, 0), seq(2, 50.0).as_slice::<f32>());
+    }
+
+    #[test]
+    fn many_holes_are_squeezed_out_and_a_bad_count_is_refused() {
+        let mut c = BatchKvCache::new(2);
+        c.write_row(0, &seq(1, 0.0), &seq(1, 0.0)).unwrap();
+        c.write_row(1, &seq(1, 100.0), &seq(1, 100.0)).unwrap();
+        let mut want1 = vec![100f32, 101.];
+        for i in 0..SQUEEZE_MIN_HOLES {
+            let v = i as f32;
+            let w = columns(&[&[1000. + v, 1001. + v], &[2000. + v, 2001. + v]]);
+            c.update_and_fetch(&w, &w).unwrap();
+            c.trim_rows(&[0, 1]).unwrap();
+            want1.extend([2000. + v, 2000. + v]);
+        }
+        // Row 1 reached the squeeze rule's count; it was squeezed.
+        assert_eq!(c.holes(1), 0);
+        assert_eq!(seen(&c, 1), want1);
+        assert_eq!(c.row_len(1), 1 + SQUEEZE_MIN_HOLES);
+        assert!(c.trim_rows(&[1]).is_err(), "one count for two rows");
     }
 
     #[test]

@@ -284,11 +284,13 @@ pub fn conv_window_into(state: &mut State<'_>, i: usize, x: &Array) -> Result<Ar
     if state.keeps_positions() {
         // The window after position j (0-based) is rows j+1 .. j+K of the
         // padded input.
+        // One gather for all of them: `[B, T, K-1, C]`, then `T` leading.
         let keep = state[i].shape()[1];
-        let windows = (1..=x.shape()[1])
-            .map(|j| Ok(padded.try_index((.., j..j + keep, ..))?))
-            .collect::<Result<Vec<_>>>()?;
-        state.set(i, windows)?;
+        let t = x.shape()[1];
+        let rows: Vec<i32> = (1..=t).flat_map(|j| j..j + keep).collect();
+        let idx = Array::from_slice(&rows, &[t, keep]);
+        let windows = padded.take_axis(&idx, 1)?;
+        state.set_positions(i, windows.transpose_axes(&[1, 0, 2, 3])?)?;
     } else {
         state[i] = next;
     }

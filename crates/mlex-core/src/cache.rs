@@ -208,6 +208,31 @@ pub trait Cache: Send {
         0
     }
 
+    /// Drops the last `drop[r]` tokens of batch row `r` (a batched
+    /// speculative verify: every row wrote the same tokens, each keeps its
+    /// own accepted prefix). The default serves a cache whose rows all drop
+    /// the same count ([`Cache::trim`]); other counts are an error naming
+    /// the kind.
+    fn trim_rows(&mut self, drop: &[usize]) -> Result<()> {
+        match drop.first() {
+            None => Ok(()),
+            Some(&n) if drop.iter().all(|&d| d == n) => {
+                if self.trim(n) == n {
+                    Ok(())
+                } else {
+                    Err(crate::error::Error::Cache(format!(
+                        "a `{}` cache cannot drop {n} tokens",
+                        self.kind()
+                    )))
+                }
+            }
+            Some(_) => Err(crate::error::Error::Cache(format!(
+                "a `{}` cache cannot drop a different count of tokens from each batch row",
+                self.kind()
+            ))),
+        }
+    }
+
     /// Bytes held (logical, for cache budgets).
     fn nbytes(&self) -> usize;
 

@@ -46,6 +46,10 @@ pub struct Dispatch {
     /// forward changes every round; `MLEX_OPS_ATTENTION_ROWS`, `0` or
     /// `LO-HI`).
     pub ops_attention_rows: Option<(i32, i32)>,
+    /// Those calls run as one custom kernel (`mlex_kernels::attention`)
+    /// where it takes the shapes, instead of a dozen ops a layer (CUDA only;
+    /// `MLEX_ATTENTION_ROWS_KERNEL=0` keeps the ops form).
+    pub attention_rows_kernel: bool,
     /// The few-row kernel, when a kernels crate provides one.
     pub dense_product: Option<DenseProduct>,
     /// Projections of one input (q/k/v, gate/up) concatenated into one
@@ -105,6 +109,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "causal query rows over a longer cache that attend as ops: 0 (off) or LO-HI within 1-64",
     ),
     (
+        "MLEX_ATTENTION_ROWS_KERNEL",
+        "0 runs a verify's few causal attention rows as ops instead of one kernel",
+    ),
+    (
         "MLEX_FUSE_PROJECTIONS",
         "0 keeps q/k/v and gate/up as separate products",
     ),
@@ -127,6 +135,7 @@ impl Dispatch {
             // Measured on the H200: causal calls of 2 rows and more over
             // a longer cache each built a cuDNN plan per key length.
             ops_attention_rows: cuda.then_some((2, 32)),
+            attention_rows_kernel: cuda,
             dense_product: None,
             fuse_projections: true,
             dequantize_f32_products: cuda_device,
@@ -179,6 +188,10 @@ impl Dispatch {
                 )
             })?;
         }
+        if let Some(v) = var("MLEX_ATTENTION_ROWS_KERNEL") {
+            self.attention_rows_kernel =
+                self.attention_rows_kernel && flag("MLEX_ATTENTION_ROWS_KERNEL", &v)?;
+        }
         if let Some(v) = var("MLEX_FUSE_PROJECTIONS") {
             self.fuse_projections = flag("MLEX_FUSE_PROJECTIONS", &v)?;
         }
@@ -200,6 +213,7 @@ impl Dispatch {
             "skinny_rows": self.skinny_rows.map(|(lo, hi)| format!("{lo}-{hi}")),
             "few_row_kernel": self.dense_product.is_some() && self.skinny_rows.is_some(),
             "ops_attention_rows": self.ops_attention_rows.map(|(lo, hi)| format!("{lo}-{hi}")),
+            "attention_rows_kernel": self.attention_rows_kernel,
             "fuse_projections": self.fuse_projections,
             "dequantize_f32_products": self.dequantize_f32_products,
             "dequantize_kv_reads": self.dequantize_kv_reads,

@@ -106,6 +106,41 @@ impl<'a> State<'a> {
         };
         Ok(())
     }
+
+    /// Writes array `i` from `stacked`, the states after each of the `T`
+    /// positions already on a leading axis (`[T, ...]`, as a kernel that
+    /// loops the positions writes them): kept whole when
+    /// [`State::keeps_positions`], else its last entry.
+    pub fn set_positions(&mut self, i: usize, stacked: Array) -> Result<()> {
+        let per_position = self.per_position;
+        let slot = self
+            .arrays
+            .get_mut(i)
+            .ok_or_else(|| Error::Other(format!("layer state has no array {i}")))?;
+        *slot = if per_position {
+            stacked
+        } else {
+            let t = *stacked
+                .shape()
+                .first()
+                .ok_or_else(|| Error::Other("a state update over no positions".into()))?;
+            if t == 0 {
+                return Err(Error::Other("a state update over no positions".into()));
+            }
+            position_entry(&stacked, t as usize - 1)?
+        };
+        Ok(())
+    }
+}
+
+/// Entry `i` of `a`'s leading axis (`[T, ...]` -> `[...]`) as a view: a
+/// slice and a reshape, where indexing with an integer would gather (a
+/// copy, and one more kernel a layer on every step).
+pub fn position_entry(a: &Array, i: usize) -> Result<Array> {
+    use mlx_rs::ops::indexing::TryIndexOp;
+    let i = i as i32;
+    let one = a.try_index(i..i + 1)?;
+    Ok(mlx_rs::ops::reshape(&one, &a.shape()[1..])?)
 }
 
 impl std::ops::Deref for State<'_> {

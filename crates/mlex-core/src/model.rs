@@ -261,10 +261,66 @@ impl ModelCache {
             }
             let picked = state
                 .iter()
-                .map(|a| Ok(a.try_index(kept as i32 - 1)?))
+                .map(|a| crate::layer::position_entry(a, kept - 1))
                 .collect::<Result<Vec<Array>>>()?;
             scatter_state(caches, picked)?;
             advance_fixed(caches, kept);
+        }
+        Ok(())
+    }
+
+    /// [`ModelCache::commit`] for a batch whose rows keep different
+    /// counts: row `r` keeps its first `kept[r]` (1..=T) verified tokens.
+    /// Growing caches drop each row's rejected tokens
+    /// ([`Cache::trim_rows`]); fixed-size caches take each row's state after
+    /// its own last kept position and count the most kept.
+    pub fn commit_rows(&mut self, states: PositionStates, kept: &[usize]) -> Result<()> {
+        let t = states.tokens;
+        if let Some(&k) = kept.first() {
+            if kept.iter().all(|&x| x == k) {
+                return self.commit(states, k);
+            }
+        }
+        if kept.is_empty()
+            || kept.iter().any(|&k| k == 0 || k > t)
+            || states.layers.len() != self.layers.len()
+        {
+            return Err(Error::Cache(format!(
+                "cannot keep {kept:?} of {t} verified tokens ({} layers for a cache of {})",
+                states.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let drop: Vec<usize> = kept.iter().map(|&k| t - k).collect();
+        let most = kept.iter().copied().max().unwrap_or(1);
+        let last: Vec<i32> = kept.iter().map(|&k| k as i32 - 1).collect();
+        for (caches, state) in self.layers.iter_mut().zip(states.layers) {
+            for c in caches.iter_mut().filter(|c| c.grows()) {
+                c.trim_rows(&drop)?;
+            }
+            if state.is_empty() {
+                continue;
+            }
+            let picked = state
+                .iter()
+                .map(|a| {
+                    // `[T, B, ...]`: row r's entry `kept[r] - 1`.
+                    if a.ndim() < 2 || a.shape()[1] as usize != kept.len() {
+                        return Err(Error::Cache(format!(
+                            "a verified state of shape {:?} has no row for each of {} kept counts",
+                            a.shape(),
+                            kept.len()
+                        )));
+                    }
+                    let mut shape = vec![1i32; a.ndim()];
+                    shape[1] = kept.len() as i32;
+                    let idx = Array::from_slice(&last, &shape);
+                    let one = a.take_along_axis(&idx, 0)?;
+                    Ok(ops::reshape(&one, &a.shape()[1..])?)
+                })
+                .collect::<Result<Vec<Array>>>()?;
+            scatter_state(caches, picked)?;
+            advance_fixed(caches, most);
         }
         Ok(())
     }

@@ -66,8 +66,22 @@ impl Drop for Strings {
 }
 
 impl CudaKernel {
-    /// A kernel `name` with the given argument names and body.
+    /// A kernel `name` with the given argument names and body; its inputs
+    /// are made row-contiguous before the launch.
     pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str) -> Result<CudaKernel> {
+        CudaKernel::with_layout(name, inputs, outputs, source, true)
+    }
+
+    /// [`CudaKernel::new`], where `contiguous: false` hands the inputs over
+    /// in whatever layout they have: the body reads `x_strides` (in
+    /// elements) for each input `x` it does not assume contiguous.
+    pub fn with_layout(
+        name: &str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        contiguous: bool,
+    ) -> Result<CudaKernel> {
         // mlx-rs installs the error handler that turns mlx-c failures into
         // errors instead of exits; make sure it is in place.
         let _ = mlx_rs::Device::try_default();
@@ -85,7 +99,7 @@ impl CudaKernel {
                 outs.0,
                 csource.as_ptr(),
                 header.as_ptr(),
-                true,
+                contiguous,
                 0,
             )
         };
@@ -220,6 +234,18 @@ impl CudaKernel {
         outputs: &[&str],
         source: &'static str,
     ) -> Result<Rc<CudaKernel>> {
+        CudaKernel::cached_with_layout(name, inputs, outputs, source, true)
+    }
+
+    /// [`CudaKernel::cached`] for a kernel made by
+    /// [`CudaKernel::with_layout`].
+    pub fn cached_with_layout(
+        name: &'static str,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &'static str,
+        contiguous: bool,
+    ) -> Result<Rc<CudaKernel>> {
         KERNELS.with(|k| {
             if let Some(found) = k.borrow().get(name) {
                 return Ok(found.clone());
@@ -228,7 +254,9 @@ impl CudaKernel {
             // arguments, not by source: a name that carries a hash of the
             // source keeps an edited kernel from running its old build.
             let versioned = format!("{name}_{:08x}", source_hash(source));
-            let made = Rc::new(CudaKernel::new(&versioned, inputs, outputs, source)?);
+            let made = Rc::new(CudaKernel::with_layout(
+                &versioned, inputs, outputs, source, contiguous,
+            )?);
             k.borrow_mut().insert(name, made.clone());
             Ok(made)
         })

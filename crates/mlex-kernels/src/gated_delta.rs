@@ -586,6 +586,35 @@ pub fn decode_fused(
     state: &Array,
     heads: Heads,
 ) -> Result<(Array, Array)> {
+    if conv.shape().get(1) != Some(&1) {
+        return Err(Error::invalid(
+            "fused gated delta decode",
+            format!("conv {:?} is not one token", conv.shape()),
+        ));
+    }
+    let (y, states) = steps_fused(conv, a, b, a_log, dt_bias, state, heads, false)?;
+    Ok((y, ops::reshape(&states, state.shape())?))
+}
+
+/// [`decode_ops`] over `T` consecutive tokens (`conv` `[B, T, C]`, `a`, `b`
+/// `[B, T, H]`) in one launch of the same kernel, the state carried in
+/// registers from one token to the next: y `[B, T, H, Dv]` and, with
+/// `keep_all`, the state after every token `[T, B, H, Dv, Dk]` (a
+/// speculative verify), else after the last `[1, B, H, Dv, Dk]`. Each
+/// token's arithmetic is the decode step's, so the states equal `T`
+/// chained [`decode_fused`] calls bit for bit. CUDA only; check
+/// [`fused_decode_supported`] first.
+#[allow(clippy::too_many_arguments)]
+pub fn steps_fused(
+    conv: &Array,
+    a: &Array,
+    b: &Array,
+    a_log: &Array,
+    dt_bias: &Array,
+    state: &Array,
+    heads: Heads,
+    keep_all: bool,
+) -> Result<(Array, Array)> {
     use crate::cuda::{CudaKernel, OutputSpec, TemplateArg};
     if !fused_decode_supported(heads) {
         return Err(Error::invalid(
@@ -593,40 +622,52 @@ pub fn decode_fused(
             format!("unsupported head layout {heads:?} (Dk a multiple of 32, Dv of 4)"),
         ));
     }
-    let bsz = conv.shape()[0];
     let Heads {
         key_heads: nk,
         value_heads: nv,
         key_dim: dk,
         value_dim: dv,
     } = heads;
-    if conv.shape() != [bsz, 1, heads.conv_dim()] || state.shape() != [bsz, nv, dv, dk] {
+    let (bsz, t) = match conv.shape() {
+        [bsz, t, c] if *c == heads.conv_dim() && *t >= 1 => (*bsz, *t),
+        other => {
+            return Err(Error::invalid(
+                "fused gated delta decode",
+                format!("conv {other:?} does not match {heads:?}"),
+            ))
+        }
+    };
+    if state.shape() != [bsz, nv, dv, dk] || a.shape() != [bsz, t, nv] || b.shape() != [bsz, t, nv]
+    {
         return Err(Error::invalid(
             "fused gated delta decode",
             format!(
-                "conv {:?} / state {:?} do not match {heads:?} for one token",
-                conv.shape(),
-                state.shape()
+                "a {:?} / b {:?} / state {:?} do not match conv {:?} and {heads:?}",
+                a.shape(),
+                b.shape(),
+                state.shape(),
+                conv.shape()
             ),
         ));
     }
     let kernel = CudaKernel::cached(
-        "mlex_gated_delta_decode",
+        "mlex_gated_delta_steps",
         &["conv", "a", "b", "a_log", "dt_bias", "state"],
         &["y", "state_out"],
         include_str!("gated_delta_decode.cu"),
     )?;
     let dtype = conv.dtype();
     let state = state.as_dtype(Dtype::Float32)?;
+    let kept = if keep_all { t } else { 1 };
     kernel.apply2(
         &[conv, a, b, a_log, dt_bias, &state],
         [
             OutputSpec {
-                shape: vec![bsz, 1, nv, dv],
+                shape: vec![bsz, t, nv, dv],
                 dtype,
             },
             OutputSpec {
-                shape: vec![bsz, nv, dv, dk],
+                shape: vec![kept, bsz, nv, dv, dk],
                 dtype: Dtype::Float32,
             },
         ],
@@ -636,6 +677,7 @@ pub fn decode_fused(
             ("H", TemplateArg::Int(nv)),
             ("Dk", TemplateArg::Int(dk)),
             ("Dv", TemplateArg::Int(dv)),
+            ("KeepAll", TemplateArg::Int(i32::from(keep_all))),
         ],
         (32, dv, bsz * nv),
         (32, 4, 1),

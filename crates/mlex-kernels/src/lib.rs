@@ -7,6 +7,8 @@
 //! - [`mamba2`]: the Mamba2 SSM decode step, plain and fused.
 //! - [`skinny`]: dense products of a few rows (batched decode), one weight
 //!   sweep for all rows.
+//! - [`attention`]: causal attention of a few query rows over a KV cache
+//!   (a speculative verify), one launch.
 //! - [`cuda`]: the wrapper over MLX's custom CUDA kernels.
 //!
 //! Which implementation runs is `mlex_core::dispatch::Dispatch`'s choice
@@ -15,6 +17,7 @@
 
 #![deny(missing_docs)]
 
+pub mod attention;
 pub mod cuda;
 pub mod gated_delta;
 pub mod mamba2;

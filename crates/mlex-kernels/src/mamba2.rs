@@ -105,7 +105,32 @@ pub fn decode_fused(
     state: &Array,
     shape: Shape,
 ) -> Result<(Array, Array)> {
-    let b = conv.shape()[0];
+    if conv.shape().get(1) != Some(&1) {
+        return Err(Error::invalid(
+            "fused mamba2 decode",
+            format!("conv {:?} is not one token", conv.shape()),
+        ));
+    }
+    let (y, states) = steps_fused(conv, dt, p, state, shape, false)?;
+    Ok((y, ops::reshape(&states, state.shape())?))
+}
+
+/// [`decode_ops`] over `T` consecutive tokens (`conv` `[B, T, C]`, `dt`
+/// `[B, T, H]`) in one launch of the same kernel, the state carried in
+/// registers from one token to the next: y `[B, T, H, Dh]` and, with
+/// `keep_all`, the state after every token `[T, B, H, Dh, N]` (a
+/// speculative verify), else after the last `[1, B, H, Dh, N]`. Each
+/// token's arithmetic is the decode step's, so the states equal `T`
+/// chained [`decode_fused`] calls bit for bit. CUDA only; check
+/// [`fused_decode_supported`] first.
+pub fn steps_fused(
+    conv: &Array,
+    dt: &Array,
+    p: Params<'_>,
+    state: &Array,
+    shape: Shape,
+    keep_all: bool,
+) -> Result<(Array, Array)> {
     let Shape {
         heads: h,
         head_dim: dh,
@@ -113,15 +138,20 @@ pub fn decode_fused(
         state_dim: n,
         dt_limit,
     } = shape;
-    if !fused_decode_supported(shape)
-        || conv.shape() != [b, 1, shape.conv_dim()]
-        || dt.shape() != [b, 1, h]
-        || state.shape() != [b, h, dh, n]
-    {
+    let (b, t) = match conv.shape() {
+        [b, t, c] if *c == shape.conv_dim() && *t >= 1 => (*b, *t),
+        other => {
+            return Err(Error::invalid(
+                "fused mamba2 decode",
+                format!("conv {other:?} does not fit {shape:?}"),
+            ))
+        }
+    };
+    if !fused_decode_supported(shape) || dt.shape() != [b, t, h] || state.shape() != [b, h, dh, n] {
         return Err(Error::invalid(
             "fused mamba2 decode",
             format!(
-                "conv {:?} / dt {:?} / state {:?} do not fit {shape:?} for one token",
+                "conv {:?} / dt {:?} / state {:?} do not fit {shape:?}",
                 conv.shape(),
                 dt.shape(),
                 state.shape()
@@ -129,7 +159,7 @@ pub fn decode_fused(
         ));
     }
     let kernel = CudaKernel::cached(
-        "mlex_mamba2_decode",
+        "mlex_mamba2_steps",
         &["conv", "dt", "dt_bias", "a_log", "d", "limits", "state"],
         &["y", "state_out"],
         include_str!("mamba2_decode.cu"),
@@ -137,15 +167,16 @@ pub fn decode_fused(
     let dtype = conv.dtype();
     let limits = Array::from_slice(&[dt_limit.0, dt_limit.1], &[2]);
     let state = state.as_dtype(Dtype::Float32)?;
+    let kept = if keep_all { t } else { 1 };
     kernel.apply2(
         &[conv, dt, p.dt_bias, p.a_log, p.d, &limits, &state],
         [
             OutputSpec {
-                shape: vec![b, 1, h, dh],
+                shape: vec![b, t, h, dh],
                 dtype,
             },
             OutputSpec {
-                shape: vec![b, h, dh, n],
+                shape: vec![kept, b, h, dh, n],
                 dtype: Dtype::Float32,
             },
         ],
@@ -155,6 +186,7 @@ pub fn decode_fused(
             ("G", TemplateArg::Int(g)),
             ("Dh", TemplateArg::Int(dh)),
             ("N", TemplateArg::Int(n)),
+            ("KeepAll", TemplateArg::Int(i32::from(keep_all))),
         ],
         (32, dh, b * h),
         (32, 4, 1),

@@ -272,3 +272,90 @@ fn fused_decode_equals_ops_on_cuda() {
         }
     }
 }
+
+/// The verify kernel (`steps_fused`, every position in one launch, the
+/// state after each kept) against the ops step chained per position, and
+/// bit for bit against the fused decode step chained per position (what a
+/// plain decode computes), in f32 and bf16.
+#[test]
+#[ignore = "needs the CUDA backend: run on the GPU machine with --ignored"]
+fn fused_steps_keep_every_state_on_cuda() {
+    use gated_delta::Heads;
+    use mlx_rs::ops::indexing::TryIndexOp;
+    common::assert_on_cuda();
+    let heads = Heads {
+        key_heads: 2,
+        value_heads: 4,
+        key_dim: 64,
+        value_dim: 32,
+    };
+    for dtype in [mlx_rs::Dtype::Float32, mlx_rs::Dtype::Bfloat16] {
+        for t in [1, 3, 6] {
+            let (b, h) = (2, heads.value_heads);
+            let key = |i: u64| random::key(200 + i).unwrap();
+            let cast = |x: Array| x.as_dtype(dtype).unwrap();
+            let a_log = normal(&[h], &key(1));
+            let dt_bias = cast(normal(&[h], &key(2)));
+            let s0 = normal(&[b, h, heads.value_dim, heads.key_dim], &key(3));
+            let conv = cast(normal(&[b, t, heads.conv_dim()], &key(4)));
+            let ga = cast(normal(&[b, t, h], &key(5)));
+            let gb = cast(normal(&[b, t, h], &key(6)));
+            let (ys, states) =
+                gated_delta::steps_fused(&conv, &ga, &gb, &a_log, &dt_bias, &s0, heads, true)
+                    .unwrap();
+            assert_eq!(ys.shape(), [b, t, h, heads.value_dim]);
+            assert_eq!(states.shape(), [t, b, h, heads.value_dim, heads.key_dim]);
+            let (mut s_ops, mut s_dec) = (s0.clone(), s0.clone());
+            for i in 0..t {
+                let at = |x: &Array| x.try_index((.., i..i + 1)).unwrap();
+                let (y0, n0) = gated_delta::decode_ops(
+                    &at(&conv),
+                    &at(&ga),
+                    &at(&gb),
+                    &a_log,
+                    &dt_bias,
+                    &s_ops,
+                    heads,
+                )
+                .unwrap();
+                let (y1, n1) = gated_delta::decode_fused(
+                    &at(&conv),
+                    &at(&ga),
+                    &at(&gb),
+                    &a_log,
+                    &dt_bias,
+                    &s_dec,
+                    heads,
+                )
+                .unwrap();
+                let (y, s) = (at(&ys), states.try_index(i).unwrap());
+                let limit = if dtype == mlx_rs::Dtype::Float32 {
+                    1e-4
+                } else {
+                    2e-2
+                };
+                let (dy, ds) = (max_rel(&y, &y0), max_rel(&s, &n0));
+                assert!(
+                    dy < limit && ds < limit,
+                    "{dtype:?} T={t} position {i}: y {dy}, state {ds} against the ops form"
+                );
+                assert_eq!(max_rel(&s, &n1), 0.0, "{dtype:?} T={t} position {i}: state");
+                assert_eq!(max_rel(&y, &y1), 0.0, "{dtype:?} T={t} position {i}: y");
+                s_ops = n0;
+                s_dec = n1;
+            }
+            // Without keep_all, only the last state comes back.
+            let (_, last) =
+                gated_delta::steps_fused(&conv, &ga, &gb, &a_log, &dt_bias, &s0, heads, false)
+                    .unwrap();
+            assert_eq!(last.shape()[0], 1);
+            assert_eq!(
+                max_rel(
+                    &last.try_index(0).unwrap(),
+                    &states.try_index(t - 1).unwrap()
+                ),
+                0.0
+            );
+        }
+    }
+}

@@ -159,3 +159,56 @@ fn a_custom_kernel_launch_errs_without_cuda_and_runs_with_it() {
     let x = ops::add(normal(&[2], 7), normal(&[2], 8)).unwrap();
     x.eval().unwrap();
 }
+
+/// The verify kernel (`steps_fused`, every position in one launch, the
+/// state after each kept) against the ops step chained per position, and
+/// bit for bit against the fused decode step chained per position.
+#[test]
+#[ignore = "needs the CUDA backend: run on the GPU machine with --ignored"]
+fn fused_steps_keep_every_state_on_cuda() {
+    use mlx_rs::ops::indexing::TryIndexOp;
+    assert_on_cuda();
+    let shape = Shape {
+        heads: 4,
+        head_dim: 16,
+        groups: 2,
+        state_dim: 32,
+        dt_limit: (0.001, 100.0),
+    };
+    for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        for t in [1, 4, 7] {
+            let (b, h) = (2, shape.heads);
+            let cast = |x: Array| x.as_dtype(dtype).unwrap();
+            let (dt_bias, a_log, d) = (normal(&[h], 51), normal(&[h], 52), normal(&[h], 53));
+            let p = Params {
+                dt_bias: &dt_bias,
+                a_log: &a_log,
+                d: &d,
+            };
+            let s0 = normal(&[b, h, shape.head_dim, shape.state_dim], 54);
+            let conv = cast(normal(&[b, t, shape.conv_dim()], 55));
+            let dt = cast(normal(&[b, t, h], 56));
+            let (ys, states) = mamba2::steps_fused(&conv, &dt, p, &s0, shape, true).unwrap();
+            assert_eq!(ys.shape(), [b, t, h, shape.head_dim]);
+            assert_eq!(states.shape(), [t, b, h, shape.head_dim, shape.state_dim]);
+            let (mut s_ops, mut s_dec) = (s0.clone(), s0.clone());
+            for i in 0..t {
+                let at = |x: &Array| x.try_index((.., i..i + 1)).unwrap();
+                let (y0, n0) = mamba2::decode_ops(&at(&conv), &at(&dt), p, &s_ops, shape).unwrap();
+                let (y1, n1) =
+                    mamba2::decode_fused(&at(&conv), &at(&dt), p, &s_dec, shape).unwrap();
+                let (y, s) = (at(&ys), states.try_index(i).unwrap());
+                let limit = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
+                let (dy, ds) = (max_rel(&y, &y0), max_rel(&s, &n0));
+                assert!(
+                    dy < limit && ds < limit,
+                    "{dtype:?} T={t} position {i}: y {dy}, state {ds} against the ops form"
+                );
+                assert_eq!(max_rel(&s, &n1), 0.0, "{dtype:?} T={t} position {i}: state");
+                assert_eq!(max_rel(&y, &y1), 0.0, "{dtype:?} T={t} position {i}: y");
+                s_ops = n0;
+                s_dec = n1;
+            }
+        }
+    }
+}

@@ -14,7 +14,7 @@
 
 use super::canon::{Canon, CanonOptions};
 use super::rope::Rope;
-use super::sdpa::{attend, quantized_attend};
+use super::sdpa::{attend, quantized_attend, AttendPolicy};
 use crate::block::size;
 use mlex_cache::{KvCache, RotatingKvCache, StateCache};
 use mlex_core::cache::{Cache, KvRead};
@@ -141,12 +141,10 @@ pub struct Attention {
     scale: f32,
     window: Option<usize>,
     attention_f32: bool,
-    /// Causal query rows that attend as ops ([`attend`]).
-    ops_attention_rows: Option<(i32, i32)>,
+    /// How [`attend`] takes the calls MLX's fused attention serves badly.
+    attend_policy: AttendPolicy,
     /// [`Dispatch::dequantize_kv_reads`](mlex_core::dispatch::Dispatch).
     dequantize_kv_reads: bool,
-    /// [`Dispatch::masked_attention_ops`](mlex_core::dispatch::Dispatch).
-    masked_attention_ops: bool,
     hidden: i32,
     /// Under --tp (a full-width q/k norm sums its squares over the ranks).
     shard: Option<mlex_core::distributed::Shard>,
@@ -326,9 +324,8 @@ impl Attention {
             scale: o.scale.map_or((head_dim as f32).powf(-0.5), |s| s as f32),
             window: o.sliding_window,
             attention_f32: o.attention_f32,
-            ops_attention_rows: ctx.weights.dispatch().ops_attention_rows,
+            attend_policy: AttendPolicy::of(ctx.weights.dispatch()),
             dequantize_kv_reads: ctx.weights.dispatch().dequantize_kv_reads,
-            masked_attention_ops: ctx.weights.dispatch().masked_attention_ops,
             hidden,
             shard: ctx.weights.shard().cloned(),
         })
@@ -597,15 +594,7 @@ impl Mixer for Attention {
         } else {
             (q, keys)
         };
-        let o = attend(
-            &q,
-            &keys,
-            &values,
-            self.scale,
-            &mask,
-            self.ops_attention_rows,
-            self.masked_attention_ops,
-        )?;
+        let o = attend(&q, &keys, &values, self.scale, &mask, self.attend_policy)?;
         let o = if self.attention_f32 {
             o.as_dtype(out_dtype)?
         } else {

@@ -243,16 +243,19 @@ impl GatedDelta {
         };
         let (a_log, dt_bias) = (p.get(self.a_log)?, p.get(self.dt_bias)?);
         let dispatch = &self.dispatch;
-        let out = if len == 1 || state.keeps_positions() {
-            // One token (decode) is traced inside its compiled segment; a
-            // verify run takes the same step per position, so that its
-            // state after each position is the one decode would reach.
-            let fused = dispatch.fused_decode && gated_delta::fused_decode_supported(heads);
-            let step = if fused {
-                gated_delta::decode_fused
-            } else {
-                gated_delta::decode_ops
-            };
+        let fused = dispatch.fused_decode && gated_delta::fused_decode_supported(heads);
+        let out = if fused && (len == 1 || state.keeps_positions()) {
+            // One token (decode, traced inside its compiled segment), or a
+            // verify run's tokens in one launch of the same kernel, which
+            // keeps the state after each position: the one decode reaches.
+            let keep_all = state.keeps_positions();
+            let (y, states) = gated_delta::steps_fused(
+                &conv_out, &a, &b, a_log, dt_bias, &state[1], heads, keep_all,
+            )?;
+            state.set_positions(1, states)?;
+            y
+        } else if len == 1 || state.keeps_positions() {
+            // The ops form of the same step, per position.
             let mut ys = Vec::with_capacity(len as usize);
             let mut after = Vec::with_capacity(len as usize);
             let mut s = state[1].clone();
@@ -264,7 +267,7 @@ impl GatedDelta {
                         x.try_index((.., t..t + 1))?
                     })
                 };
-                let (y, next) = step(
+                let (y, next) = gated_delta::decode_ops(
                     &at(&conv_out)?,
                     &at(&a)?,
                     &at(&b)?,

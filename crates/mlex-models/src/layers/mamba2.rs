@@ -301,7 +301,19 @@ impl Mamba2 {
             let cm = ops::reshape(&cs[2], &[bsz, n, self.groups, self.state_dim])?;
             self.ssm(p, &hs, dt, &bm, &cm, s)
         };
-        let y = if state.keeps_positions() && len > 1 {
+        let fused = self.fused_decode && mamba2::fused_decode_supported(shape);
+        let y = if state.keeps_positions() && len > 1 && fused {
+            // A verify run on CUDA: the decode kernel over every position
+            // in one launch, keeping the state after each.
+            let params = mamba2::Params {
+                dt_bias: p.get(self.dt_bias)?,
+                a_log: p.get(self.a_log)?,
+                d: p.get(self.d)?,
+            };
+            let (y, states) = mamba2::steps_fused(&conv_out, dt, params, &state[1], shape, true)?;
+            state.set_positions(1, states)?;
+            y
+        } else if state.keeps_positions() && len > 1 {
             // A verify run: the decode step per position, keeping the
             // state after each.
             let mut ys = Vec::with_capacity(len as usize);

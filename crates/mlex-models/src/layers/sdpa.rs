@@ -11,10 +11,15 @@
 //! form is what MLX itself computes where no kernel applies (its
 //! `scaled_dot_product_attention` fallback: scores, causal mask aligned to
 //! the last key, precise softmax, weighted values), with no per-shape
-//! build. Which row counts take it is [`Dispatch::ops_attention_rows`]
-//! (CUDA only by default; Metal's vector kernel takes a few causal rows).
+//! build. On CUDA those calls now run as one kernel of ours
+//! (`mlex_kernels::attention`, equal to the ops form) where it takes the
+//! shapes: the ops form is a dozen launches a layer. Which row counts take
+//! either is [`Dispatch::ops_attention_rows`] (CUDA only by default;
+//! Metal's vector kernel takes a few causal rows).
 //!
 //! [`Dispatch::ops_attention_rows`]: mlex_core::dispatch::Dispatch::ops_attention_rows
+//! [`Dispatch::attention_rows_kernel`]: mlex_core::dispatch::Dispatch::attention_rows_kernel
+//! [`Dispatch::masked_attention_ops`]: mlex_core::dispatch::Dispatch::masked_attention_ops
 
 use mlex_core::cache::{AttentionMask, KvQuantization};
 use mlex_core::error::Result;
@@ -22,25 +27,61 @@ use mlx_rs::fast::ScaledDotProductAttentionMask;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{fast, ops, Array, Dtype};
 
+/// How [`attend`] computes the calls MLX's fused attention serves badly on
+/// some backend (from the model's `Dispatch`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttendPolicy {
+    /// Causal calls of this many query rows over a longer cache leave
+    /// MLX's fused attention ([`Dispatch::ops_attention_rows`]).
+    pub few_rows: Option<(i32, i32)>,
+    /// ... for the one-launch kernel (`mlex_kernels::attention`) where it
+    /// takes the shapes, else the ops form
+    /// ([`Dispatch::attention_rows_kernel`]).
+    pub few_rows_kernel: bool,
+    /// An array mask of one sequence attends as ops in row blocks
+    /// ([`masked_ops`]; [`Dispatch::masked_attention_ops`]).
+    pub masked_as_ops: bool,
+}
+
+impl AttendPolicy {
+    /// The choices of `d`.
+    pub fn of(d: &mlex_core::dispatch::Dispatch) -> AttendPolicy {
+        AttendPolicy {
+            few_rows: d.ops_attention_rows,
+            few_rows_kernel: d.attention_rows_kernel,
+            masked_as_ops: d.masked_attention_ops,
+        }
+    }
+}
+
 /// Attention of `q` `[B, Hq, T, D]` over `keys`/`values` `[B, Hkv, L, D]`
 /// (`Hq` a multiple of `Hkv`) under `mask`; a causal call of a row count
-/// in `ops_rows` over a longer cache (`T < L`) runs as ops, and so does an
-/// array mask of one sequence when `masked_as_ops` ([`masked_ops`]).
+/// in `policy.few_rows` over a longer cache (`T < L`) runs as one kernel
+/// or as ops, and so does an array mask of one sequence when
+/// `policy.masked_as_ops` ([`masked_ops`]).
 pub fn attend(
     q: &Array,
     keys: &Array,
     values: &Array,
     scale: f32,
     mask: &AttentionMask,
-    ops_rows: Option<(i32, i32)>,
-    masked_as_ops: bool,
+    policy: AttendPolicy,
 ) -> Result<Array> {
     let (t, l) = (q.shape()[2], keys.shape()[2]);
     Ok(match mask {
         AttentionMask::Causal
-            if t < l && ops_rows.is_some_and(|(lo, hi)| (lo..=hi).contains(&t)) =>
+            if t < l
+                && policy
+                    .few_rows
+                    .is_some_and(|(lo, hi)| (lo..=hi).contains(&t)) =>
         {
-            causal_ops(q, keys, values, scale)?
+            if policy.few_rows_kernel
+                && mlex_kernels::attention::causal_rows_supported(q, keys, values)
+            {
+                mlex_kernels::attention::causal_rows(q, keys, values, scale)?
+            } else {
+                causal_ops(q, keys, values, scale)?
+            }
         }
         AttentionMask::None => {
             fast::scaled_dot_product_attention(q, keys, values, scale, None, None)?
@@ -53,7 +94,7 @@ pub fn attend(
             ScaledDotProductAttentionMask::Causal,
             None,
         )?,
-        AttentionMask::Array(m) if masked_as_ops && leading_ones(m) => {
+        AttentionMask::Array(m) if policy.masked_as_ops && leading_ones(m) => {
             masked_ops(q, keys, values, scale, m)?
         }
         AttentionMask::Array(m) => {
@@ -268,16 +309,11 @@ mod tests {
                 .map(|(x, y)| (x - y).abs())
                 .fold(0f32, f32::max);
             assert!(worst < 1e-5, "T={t} L={l}: {worst}");
-            let via = attend(
-                &q,
-                &k,
-                &v,
-                0.3,
-                &AttentionMask::Causal,
-                Some((2, 32)),
-                false,
-            )
-            .unwrap();
+            let policy = AttendPolicy {
+                few_rows: Some((2, 32)),
+                ..AttendPolicy::default()
+            };
+            let via = attend(&q, &k, &v, 0.3, &AttentionMask::Causal, policy).unwrap();
             assert_eq!(values(&via), a, "T={t} L={l}: attend");
         }
         // A wrong alignment (queries at the first keys) would differ.
@@ -309,7 +345,11 @@ mod tests {
         let mask = ops::logical_and(&causal, &window).unwrap();
         let want = fast::scaled_dot_product_attention(&q, &k, &v, 0.3, &mask, None).unwrap();
         let mask = AttentionMask::Array(mask);
-        let got = attend(&q, &k, &v, 0.3, &mask, None, true).unwrap();
+        let as_ops = AttendPolicy {
+            masked_as_ops: true,
+            ..AttendPolicy::default()
+        };
+        let got = attend(&q, &k, &v, 0.3, &mask, as_ops).unwrap();
         assert_eq!(got.shape(), want.shape());
         let worst = values(&got)
             .iter()
@@ -317,7 +357,7 @@ mod tests {
             .map(|(x, y)| (x - y).abs())
             .fold(0f32, f32::max);
         assert!(worst < 1e-5, "{worst}");
-        let fused = attend(&q, &k, &v, 0.3, &mask, None, false).unwrap();
+        let fused = attend(&q, &k, &v, 0.3, &mask, AttendPolicy::default()).unwrap();
         assert_eq!(
             values(&fused),
             values(&want),

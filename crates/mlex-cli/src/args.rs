@@ -241,6 +241,8 @@ pub struct ServeArgs {
     /// Bytes the prompt cache may hold to share prefixes across requests.
     #[arg(long, default_value_t = 4 << 30)]
     pub prompt_cache_bytes: usize,
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
 }
 
 /// How a quantized checkpoint's weights are held in memory.
@@ -520,7 +522,9 @@ pub struct BenchArgs {
     /// drafter proposes the model's own greedy continuation, each token
     /// spoiled with probability 1 - A; `--repeats` alternating pairs of
     /// plain and speculative runs, medians and spread.
-    #[arg(long, value_name = "A", conflicts_with_all = ["batch", "shared_prefix", "lookup", "draft_model"])]
+    /// With `--batch`: plain and speculative batches alternate (needs
+    /// `--force-acceptance`).
+    #[arg(long, value_name = "A", conflicts_with_all = ["shared_prefix", "lookup", "draft_model"])]
     pub draft_acceptance: Option<f64>,
     /// With `--draft-acceptance`: each round keeps exactly the drafts
     /// before the first spoiled one, whatever the model says (the output

@@ -324,6 +324,53 @@ pub fn speculative(
     Ok(())
 }
 
+/// The batch's speculation `s` asks for (if any), for a batched engine on
+/// `generator`'s model (loaded with `m`): one drafter per admitted
+/// request, a draft model loaded once and shared by them; rounds while at
+/// most the model's `Dispatch::speculative_rows` sequences are active.
+/// `--mtp` drafts one sequence at a time: refused, naming `what`.
+pub fn batch_speculation(
+    generator: &mlex_generate::Generator,
+    s: &crate::args::SpeculativeArgs,
+    m: &ModelArgs,
+    registry: &Registry,
+    what: &str,
+) -> Result<Option<mlex_generate::BatchSpeculation>> {
+    let k = mlex_generate::check_draft_tokens(s.draft_tokens)?;
+    let make: Box<dyn FnMut() -> Result<Box<dyn mlex_generate::Drafter>>> = if s.mtp {
+        return Err(Error::invalid(
+            "--mtp",
+            format!(
+                "drafts one sequence at a time for now (generate, chat, bench), not with {what}"
+            ),
+        ));
+    } else if let Some(path) = &s.draft_model {
+        let dm = ModelArgs {
+            model: path.clone(),
+            ..m.clone()
+        };
+        let draft = load_with(&dm, registry)?;
+        let target_vocab = generator.model.vocab_size() as usize;
+        let base = mlex_generate::DraftModel::new(
+            generator_for_draft(draft.model, m),
+            target_vocab,
+            path,
+        )?;
+        Box::new(move || Ok(Box::new(base.share()) as Box<dyn mlex_generate::Drafter>))
+    } else if s.lookup {
+        Box::new(|| {
+            Ok(Box::new(mlex_generate::PromptLookup::default()) as Box<dyn mlex_generate::Drafter>)
+        })
+    } else {
+        return Ok(None);
+    };
+    Ok(Some(mlex_generate::BatchSpeculation {
+        make,
+        k,
+        max_rows: generator.model.dispatch.speculative_rows,
+    }))
+}
+
 fn generator_for_draft(model: mlex_core::model::Model, m: &ModelArgs) -> mlex_generate::Generator {
     let mut g = mlex_generate::Generator::with_policy(model, compile(m));
     g.checkpoint_every = 0;

@@ -31,11 +31,17 @@ pub enum Role {
     Rank(u32),
 }
 
-/// The role of this process under `--tp tp`.
+/// The role of this process under `--tp tp`: with `MLX_RANK` set, one
+/// rank of a group of `tp`, on NCCL a group of one too (the collectives'
+/// code path and cost on one GPU; MLX's ring backend takes no group of
+/// one); else one device, or the launcher of `tp` ranks.
 pub fn role(tp: u32) -> Role {
+    let ranked = std::env::var_os("MLX_RANK").is_some();
     match tp {
-        0 | 1 => Role::Single,
-        n if std::env::var_os("MLX_RANK").is_some() => Role::Rank(n),
+        0 => Role::Single,
+        1 if ranked && backend() == CollectiveBackend::Nccl => Role::Rank(1),
+        1 => Role::Single,
+        n if ranked => Role::Rank(n),
         n => Role::Launch(n),
     }
 }

@@ -1692,26 +1692,53 @@ fn speculative_options_reject_bad_values_naming_them() {
     );
     let e = fail(&["--lookup", "--draft-model", other.to_str().unwrap()]);
     assert!(e.contains("--lookup") || e.contains("--draft-model"), "{e}");
+    // A batch speculates too: the same tokens, with what drafting did.
     let dir = tempfile::tempdir().unwrap();
     let prompts = dir.path().join("p.txt");
-    std::fs::write(&prompts, "1,2,3\n").unwrap();
+    std::fs::write(&prompts, "1,2,3,4,1,2,3,4,1,2\n9,8,7,9,8,7,9\n5\n").unwrap();
+    let batch = |extra: &[&str]| -> Vec<serde_json::Value> {
+        let out = mlex()
+            .arg("generate")
+            .arg("--model")
+            .arg(&m)
+            .arg("--prompts-file")
+            .arg(&prompts)
+            .args(["--ids", "--max-tokens", "12", "--format", "json"])
+            .args(extra)
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        let mut v: Vec<serde_json::Value> = String::from_utf8_lossy(&out)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        v.sort_by_key(|x| x["index"].as_u64());
+        v
+    };
+    let plain = batch(&[]);
+    let spec = batch(&["--lookup"]);
+    assert_eq!(plain.len(), 3);
+    for (p, s) in plain.iter().zip(&spec) {
+        assert_eq!(p["token_ids"], s["token_ids"], "{s}");
+        assert!(p["speculative"].is_null());
+        assert_eq!(s["speculative"]["drafter"], "lookup", "{s}");
+    }
     let out = mlex()
         .arg("generate")
         .arg("--model")
-        .arg(&m)
+        .arg(fixture_path("qwen3_5-mtp-hf"))
         .arg("--prompts-file")
         .arg(&prompts)
-        .args(["--ids", "--lookup"])
+        .args(["--ids", "--mtp"])
         .assert()
         .failure()
         .get_output()
         .stderr
         .clone();
     let e = String::from_utf8_lossy(&out);
-    assert!(
-        e.contains("--prompts-file") && e.contains("--lookup"),
-        "{e}"
-    );
+    assert!(e.contains("--prompts-file") && e.contains("--mtp"), "{e}");
 }
 
 /// `--mtp`: the checkpoint's own head drafts, the output is the plain
@@ -2066,4 +2093,44 @@ fn max_kv_size_follows_mlx_lm_and_bad_uses_name_the_option() {
     );
     let e = fails(&["serve", "--max-kv-size", "64"]);
     assert!(e.contains("--max-kv-size") && e.contains("serve"), "{e}");
+}
+
+/// `mlex bench --batch N` with a drafter: plain and speculative batches
+/// alternate; at a forced acceptance of 1 every draft is kept, so rounds
+/// keep several tokens a row; without `--force-acceptance` it is refused.
+#[test]
+fn bench_measures_speculation_in_a_batch() {
+    let m = fixture_path("nemotron_h-f32");
+    let v = bench_json(
+        &m,
+        &[
+            "--gen",
+            "16",
+            "--batch",
+            "3",
+            "--draft-acceptance",
+            "1",
+            "--force-acceptance",
+        ],
+    );
+    let s = &v["speculative"];
+    assert!(s["speedup"]["median"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(s["rounds"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(s["accepted"], s["proposed"], "{v}");
+    assert!(
+        s["decode_steps"].as_u64().unwrap() < v["decode_steps"].as_u64().unwrap(),
+        "{v}"
+    );
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(&m)
+        .args(["--batch", "2", "--draft-acceptance", "0.5"])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(e.contains("--force-acceptance"), "{e}");
 }

@@ -360,3 +360,64 @@ fn thirty_two_concurrent_clients_get_the_answers_of_one_at_a_time() {
         "every request answered as one at a time: {out}"
     );
 }
+
+/// `mlex serve --lookup`: concurrent requests that copy text get the answers
+/// of a server that does not speculate, with what drafting did in their
+/// usage and in `/metrics`; `--mtp` is refused by name (it drafts one
+/// sequence at a time).
+#[test]
+fn a_speculating_server_answers_as_a_plain_one() {
+    let ask = |i: usize| {
+        let list = [
+            "apples", "pears", "plums", "figs", "dates", "limes", "kiwis",
+        ];
+        let items: Vec<String> = (0..6)
+            .map(|j| list[(i + j) % list.len()].to_owned())
+            .collect();
+        json!({"messages": [{"role": "user", "content": format!(
+            "Repeat this list exactly, one item per line:\n{}", items.join("\n"))}],
+            "max_tokens": 40, "temperature": 0})
+    };
+    let answers = |s: &Server| -> Vec<Value> {
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..3)
+                .map(|i| sc.spawn(move || post(s, "/v1/chat/completions", None, &ask(i))))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    let (code, v) = h.join().unwrap();
+                    assert_eq!(code, 200, "{v}");
+                    v
+                })
+                .collect()
+        })
+    };
+    let plain = answers(&start(&["--batch", "4"]));
+    let s = start(&["--batch", "4", "--lookup", "--draft-tokens", "4"]);
+    let spec = answers(&s);
+    let mut accepted = 0;
+    for (i, (p, v)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(
+            v["choices"][0]["message"]["content"], p["choices"][0]["message"]["content"],
+            "request {i}"
+        );
+        assert!(p["usage"].get("speculative").is_none());
+        let u = &v["usage"]["speculative"];
+        assert!(u["rounds"].as_u64().unwrap() > 0, "{v}");
+        accepted += u["accepted_draft_tokens"].as_u64().unwrap();
+    }
+    assert!(accepted > 0, "the copies were drafted: {spec:?}");
+    assert_eq!(
+        metric(&s, "mlex_draft_tokens_accepted_total"),
+        accepted as f64
+    );
+    assert!(metric(&s, "mlex_speculative_rounds_total") > 0.0);
+    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("mlex"))
+        .args(["serve", "--port", "0", "--mtp", "--model"])
+        .arg(path_of(&fixture("qwen3_5-mtp-hf")))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--mtp"), "{err}");
+}

@@ -75,6 +75,10 @@ pub struct Dispatch {
     pub masked_attention_ops: bool,
     /// Prompt tokens per prefill step (`--prefill-chunk`).
     pub prefill_chunk: usize,
+    /// A batch speculates (`--lookup`, `--draft-model` with `--prompts-file`
+    /// or `mlex serve`) while at most this many sequences are active; a
+    /// fuller batch decodes plain steps (`MLEX_SPECULATIVE_ROWS`).
+    pub speculative_rows: usize,
     /// This process's rank of a tensor-parallel group (`--tp`): layers
     /// load their part of each split weight and sum their products over
     /// the ranks ([`crate::distributed`]). `None`: one device.
@@ -113,6 +117,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "0 runs a verify's few causal attention rows as ops instead of one kernel",
     ),
     (
+        "MLEX_SPECULATIVE_ROWS",
+        "most active sequences a batch speculates with (1-256)",
+    ),
+    (
         "MLEX_FUSE_PROJECTIONS",
         "0 keeps q/k/v and gate/up as separate products",
     ),
@@ -144,6 +152,7 @@ impl Dispatch {
             // A 4,096-token step prefills 7.7x faster than 512 on the H200;
             // on the CPU the step barely matters and 512 bounds the graph.
             prefill_chunk: if gpu { 4096 } else { 512 },
+            speculative_rows: 8,
             tensor_parallel: None,
             backend,
         }
@@ -192,6 +201,12 @@ impl Dispatch {
             self.attention_rows_kernel =
                 self.attention_rows_kernel && flag("MLEX_ATTENTION_ROWS_KERNEL", &v)?;
         }
+        if let Some(v) = var("MLEX_SPECULATIVE_ROWS") {
+            self.speculative_rows = match v.trim().parse::<usize>() {
+                Ok(n) if (1..=256).contains(&n) => n,
+                _ => return Err(bad("MLEX_SPECULATIVE_ROWS", &v, "a count within 1-256")),
+            };
+        }
         if let Some(v) = var("MLEX_FUSE_PROJECTIONS") {
             self.fuse_projections = flag("MLEX_FUSE_PROJECTIONS", &v)?;
         }
@@ -219,6 +234,7 @@ impl Dispatch {
             "dequantize_kv_reads": self.dequantize_kv_reads,
             "masked_attention_ops": self.masked_attention_ops,
             "prefill_chunk": self.prefill_chunk,
+            "speculative_rows": self.speculative_rows,
             "tensor_parallel": self.tensor_parallel.as_ref().map(|s| json!({
                 "rank": s.rank(),
                 "size": s.size(),

@@ -31,15 +31,21 @@
 //! architecture has code of its own here; a cache kind that cannot batch
 //! (the sliding-window KV) is refused with an error naming it.
 
+mod speculative;
+
+pub use speculative::BatchSpeculation;
+
 use crate::constraint::Constraint;
 use crate::generate::{Finish, Flow, GenerateOptions, Generator, CONTEXT_HINT};
 use crate::sampler::{LogprobArrays, Sampler};
+use crate::speculative::SpecStats;
 use mlex_cache::BatchKvCache;
 use mlex_core::error::{Error, Result};
 use mlex_core::model::ModelCache;
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{ops, Array, Dtype};
+use rand::SeedableRng;
 use std::collections::{BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -78,6 +84,8 @@ pub struct BatchOutput {
     pub reused_tokens: usize,
     /// Why it ended.
     pub finish: Finish,
+    /// Its speculative decoding, when the batch drafted for it.
+    pub speculative: Option<SpecStats>,
 }
 
 /// Totals over a generator's life (for benchmarks and logs).
@@ -140,6 +148,8 @@ struct Active {
     prompt_rest: VecDeque<u32>,
     /// The token in `next` for this row is a prompt token, not an output.
     next_is_prompt: bool,
+    /// Its drafter, when the batch speculates and the request allows it.
+    spec: Option<speculative::RowSpec>,
 }
 
 /// A request whose prompt the prompt cache covers to within this many
@@ -189,6 +199,7 @@ impl Active {
             out: Vec::new(),
             prompt_rest: VecDeque::new(),
             next_is_prompt: false,
+            spec: None,
         }
     }
 
@@ -244,6 +255,7 @@ pub struct BatchGenerator<'g> {
     finished: Vec<(SeqId, Result<BatchOutput>)>,
     next_id: SeqId,
     stats: BatchStats,
+    speculation: Option<BatchSpeculation>,
 }
 
 impl<'g> BatchGenerator<'g> {
@@ -265,7 +277,17 @@ impl<'g> BatchGenerator<'g> {
             finished: Vec::new(),
             next_id: 0,
             stats: BatchStats::default(),
+            speculation: None,
         })
+    }
+
+    /// Speculative decoding for the requests admitted from now on that
+    /// allow it (no grammar, no log-probabilities): see
+    /// [`BatchSpeculation`].
+    pub fn speculate(&mut self, speculation: BatchSpeculation) -> Result<()> {
+        crate::speculative::check_draft_tokens(speculation.k)?;
+        self.speculation = Some(speculation);
+        Ok(())
     }
 
     /// Queues a request; it joins the batch at the next step with room.
@@ -339,6 +361,20 @@ impl<'g> BatchGenerator<'g> {
             return Ok(std::mem::take(&mut self.finished));
         }
         let started = Instant::now();
+        if !(self.can_speculate() && self.round(on_token)?) {
+            self.plain_step(on_token)?;
+        }
+        self.stats.steps += 1;
+        self.compact()?;
+        self.stats.decode_time += started.elapsed();
+        Ok(std::mem::take(&mut self.finished))
+    }
+
+    /// One decode step for every slot: feed `next`, sample, emit.
+    fn plain_step(
+        &mut self,
+        on_token: &mut dyn FnMut(SeqId, &Emitted) -> Result<Flow>,
+    ) -> Result<()> {
         let rows = self.slots.len() as i32;
         let feed = self.next.take().expect("a used batch has tokens");
         let cache = self.cache.as_mut().expect("a used batch has caches");
@@ -389,12 +425,9 @@ impl<'g> BatchGenerator<'g> {
             pending.extend(a.next_lp.iter().flat_map(LogprobArrays::arrays));
         }
         async_eval(pending)?;
-        self.stats.steps += 1;
         self.emit(&feed, &fed_prompt, on_token)?;
         self.next = Some(sampled);
-        self.compact()?;
-        self.stats.decode_time += started.elapsed();
-        Ok(std::mem::take(&mut self.finished))
+        Ok(())
     }
 
     /// Tells each constrained row's grammar the token fed this step (its
@@ -439,6 +472,7 @@ impl<'g> BatchGenerator<'g> {
                         prompt_tokens: prompt.len(),
                         reused_tokens: 0,
                         finish: Finish::Cancelled,
+                        speculative: None,
                     }),
                 ));
                 false
@@ -566,6 +600,20 @@ impl<'g> BatchGenerator<'g> {
                 }
             };
             let next_is_prompt = logits.is_none();
+            if let Some(spec) = self.speculation.as_mut() {
+                if active.constraint.is_none() && active.logprobs.is_none() {
+                    let rng = match active.sampler.config().seed {
+                        Some(seed) => rand::rngs::StdRng::seed_from_u64(seed),
+                        None => rand::rngs::StdRng::from_os_rng(),
+                    };
+                    active.spec = Some(speculative::RowSpec::new(
+                        (spec.make)()?,
+                        &prompt,
+                        rng,
+                        spec.k,
+                    ));
+                }
+            }
             let next = self.next.as_mut().expect("ensure_rows made the tokens");
             let r = row as i32;
             next.try_index_mut(r..r + 1, &first)?;
@@ -733,26 +781,16 @@ impl<'g> BatchGenerator<'g> {
         fed.eval()?;
         self.stats.wait_time += waited.elapsed();
         let ids: Vec<u32> = fed.as_slice::<u32>().to_vec();
-        for (r, slot) in self.slots.iter_mut().enumerate() {
-            let Some(a) = slot else { continue };
-            let finish = if self.cancelled.remove(&a.id) {
-                Some(Finish::Cancelled)
-            } else if fed_prompt[r] {
-                None
-            } else if a.failed.is_some() {
-                let a = slot.take().expect("matched above");
-                if let Some(cache) = self.cache.as_mut() {
-                    for c in cache.layers.iter_mut().flatten() {
-                        c.free_row(r);
-                    }
-                }
-                let e = a.failed.expect("checked above");
-                self.finished.push((a.id, Err(e)));
+        for r in 0..self.slots.len() {
+            let Some(a) = self.slots[r].as_mut() else {
                 continue;
+            };
+            if self.cancelled.remove(&a.id) {
+                self.retire(r, Ok(Finish::Cancelled));
+            } else if fed_prompt[r] {
+            } else if let Some(e) = a.failed.take() {
+                self.retire(r, Err(e));
             } else {
-                let tok = ids[r];
-                a.out.push(tok);
-                self.stats.generated_tokens += 1;
                 let logprob = match a.fed_lp.take() {
                     Some(lp) => {
                         let (logprob, top) = lp.row(0)?;
@@ -760,46 +798,82 @@ impl<'g> BatchGenerator<'g> {
                     }
                     None => None,
                 };
-                let called = Instant::now();
-                let flow = on_token(a.id, &Emitted { id: tok, logprob })?;
-                self.stats.callback_time += called.elapsed();
-                let n = a.out.len();
-                let room = a.prompt_len + n < a.context;
-                if a.stop_ids.contains(&tok) {
-                    Some(Finish::Eos)
-                } else if flow == Flow::Stop {
-                    Some(Finish::Stop)
-                } else if !room {
-                    Some(Finish::Context)
-                } else if n >= a.max_tokens {
-                    Some(Finish::Length)
-                } else {
-                    None
+                if let Some(finish) = self.hand_out(r, ids[r], logprob, on_token)? {
+                    self.retire(r, Ok(finish));
                 }
-            };
-            if let Some(finish) = finish {
-                let a = slot.take().expect("matched above");
-                if let Some(c) = &a.constraint {
-                    self.stats.mask_time += c.mask_time;
-                    self.stats.masks += c.masks;
-                }
-                if let Some(cache) = self.cache.as_mut() {
-                    for c in cache.layers.iter_mut().flatten() {
-                        c.free_row(r);
-                    }
-                }
-                self.finished.push((
-                    a.id,
-                    Ok(BatchOutput {
-                        tokens: a.out,
-                        prompt_tokens: a.prompt_len,
-                        reused_tokens: a.reused,
-                        finish,
-                    }),
-                ));
             }
         }
         Ok(())
+    }
+
+    /// Hands row `r`'s output token `tok` to the caller; why the row ends
+    /// there, if it does.
+    fn hand_out(
+        &mut self,
+        r: usize,
+        tok: u32,
+        logprob: Option<TokenLogprob>,
+        on_token: &mut dyn FnMut(SeqId, &Emitted) -> Result<Flow>,
+    ) -> Result<Option<Finish>> {
+        let a = self.slots[r].as_mut().expect("a used row");
+        if self.cancelled.remove(&a.id) {
+            return Ok(Some(Finish::Cancelled));
+        }
+        a.out.push(tok);
+        if let Some(s) = a.spec.as_mut() {
+            s.tokens.push(tok);
+        }
+        self.stats.generated_tokens += 1;
+        let called = Instant::now();
+        let flow = on_token(a.id, &Emitted { id: tok, logprob })?;
+        self.stats.callback_time += called.elapsed();
+        let n = a.out.len();
+        let room = a.prompt_len + n < a.context;
+        Ok(if a.stop_ids.contains(&tok) {
+            Some(Finish::Eos)
+        } else if flow == Flow::Stop {
+            Some(Finish::Stop)
+        } else if !room {
+            Some(Finish::Context)
+        } else if n >= a.max_tokens {
+            Some(Finish::Length)
+        } else {
+            None
+        })
+    }
+
+    /// Ends row `r`'s request (with its output, or the error that ended
+    /// it) and frees its slot.
+    fn retire(&mut self, r: usize, end: Result<Finish>) {
+        let Some(a) = self.slots[r].take() else {
+            return;
+        };
+        if let Some(cache) = self.cache.as_mut() {
+            for c in cache.layers.iter_mut().flatten() {
+                c.free_row(r);
+            }
+        }
+        let finish = match end {
+            Ok(f) => f,
+            Err(e) => {
+                self.finished.push((a.id, Err(e)));
+                return;
+            }
+        };
+        if let Some(c) = &a.constraint {
+            self.stats.mask_time += c.mask_time;
+            self.stats.masks += c.masks;
+        }
+        self.finished.push((
+            a.id,
+            Ok(BatchOutput {
+                tokens: a.out,
+                prompt_tokens: a.prompt_len,
+                reused_tokens: a.reused,
+                finish,
+                speculative: a.spec.map(|s| s.stats),
+            }),
+        ));
     }
 
     /// Shrinks the batch to the bucket of what is used (and of what waits

@@ -28,7 +28,9 @@ mod text_stream;
 mod tokenizer;
 mod tool_calls;
 
-pub use batch::{BatchGenerator, BatchOutput, BatchStats, Emitted, SeqId, TokenLogprob};
+pub use batch::{
+    BatchGenerator, BatchOutput, BatchSpeculation, BatchStats, Emitted, SeqId, TokenLogprob,
+};
 pub use chat::{ChatTemplate, FunctionCall, Message, RenderOptions, ToolCall};
 pub use constraint::{Constraint, Grammar, Grammars, CLOSING_RESERVE};
 pub use detok::StreamingDetokenizer;

@@ -58,37 +58,6 @@ fn run(
     (r.tokens, r.speculative)
 }
 
-/// The gap between the two largest logits after `prefix` (a full forward).
-fn top2_gap(model: &Model, prefix: &[u32]) -> f32 {
-    let ids: Vec<i32> = prefix.iter().map(|&t| t as i32).collect();
-    let mut cache = model.make_cache(1).unwrap();
-    let mut row = to_f32(&model.forward_last(&tokens(&ids), &mut cache).unwrap());
-    row.sort_by(|a, b| b.partial_cmp(a).unwrap());
-    row[0] - row[1]
-}
-
-/// `spec` equals `plain`; a difference is allowed only where the plain
-/// path's two best logits are within 1e-4 (a tie that rounding may break
-/// either way, not an error of the rule).
-fn assert_same(model: &Model, prompt: &[u32], plain: &[u32], spec: &[u32], what: &str) {
-    if plain == spec {
-        return;
-    }
-    let i = plain
-        .iter()
-        .zip(spec)
-        .position(|(a, b)| a != b)
-        .unwrap_or(plain.len().min(spec.len()));
-    let mut prefix = prompt.to_vec();
-    prefix.extend(&plain[..i]);
-    let gap = top2_gap(model, &prefix);
-    assert!(
-        gap < 1e-4 && i < plain.len() && i < spec.len(),
-        "{what}: speculative output differs from plain at token {i} (top-2 logit gap {gap}):\n plain {plain:?}\n spec  {spec:?}"
-    );
-    eprintln!("{what}: a near tie at token {i} (gap {gap}) broke differently");
-}
-
 #[test]
 fn greedy_speculative_equals_plain_for_every_drafter_and_k() {
     let all = f32_fixtures();
@@ -119,7 +88,7 @@ fn greedy_speculative_equals_plain_for_every_drafter_and_k() {
             g.speculative = Some((Box::new(d), k));
             let (spec, stats) = run(&mut g, &p, n);
             let stats = stats.expect("speculative stats");
-            assert_same(
+            assert_same_but_near_ties(
                 &g.model,
                 &p,
                 &plain,
@@ -141,13 +110,13 @@ fn greedy_speculative_equals_plain_for_every_drafter_and_k() {
         }
         g.speculative = Some((Box::new(PromptLookup::default()), 3));
         let (spec, _) = run(&mut g, &p, n);
-        assert_same(&g.model, &p, &plain, &spec, &format!("{} lookup", f.name));
+        assert_same_but_near_ties(&g.model, &p, &plain, &spec, &format!("{} lookup", f.name));
         for k in [2, 5] {
             let draft = Generator::new(model_of(f), true);
             let d = DraftModel::new(draft, vocab as usize, &f.name).unwrap();
             g.speculative = Some((Box::new(d), k));
             let (spec, stats) = run(&mut g, &p, n);
-            assert_same(
+            assert_same_but_near_ties(
                 &g.model,
                 &p,
                 &plain,
@@ -364,7 +333,7 @@ fn forced_acceptance_keeps_the_set_share_of_drafts() {
             // Nothing kept: the plain output (a near tie may break apart
             // between a verify's and a step's products, as in the
             // exactness test).
-            assert_same(&g.model, &p, &plain, &out[..24], "forced acceptance 0");
+            assert_same_but_near_ties(&g.model, &p, &plain, &out[..24], "forced acceptance 0");
         }
     }
     let expected = 0.7 + 0.49 + 0.343;
@@ -411,7 +380,7 @@ fn greedy_mtp_speculation_equals_plain() {
                 let stats = stats.expect("speculative stats");
                 assert_eq!(stats.drafter, "mtp");
                 assert!(stats.rounds > 0, "{}: no verify forward", f.name);
-                assert_same(
+                assert_same_but_near_ties(
                     &g.model,
                     &p,
                     &plain,

@@ -6,8 +6,8 @@
 
 use crate::metrics::Metrics;
 use mlex_generate::{
-    starts_in_reasoning, BatchGenerator, Emitted, Finish, Flow, GenerateOptions, Generator,
-    Grammar, Grammars, Message, RenderOptions, SeqId, TextStream, Tokenizer,
+    starts_in_reasoning, BatchGenerator, Emitted, Finish, Flow, GenerateOptions, Grammar, Grammars,
+    Message, RenderOptions, SeqId, TextStream, Tokenizer,
 };
 use std::collections::BTreeMap;
 use std::sync::mpsc;
@@ -86,9 +86,22 @@ pub enum Event {
         cached_tokens: usize,
         /// Generated tokens.
         completion_tokens: usize,
+        /// What speculative decoding did for it, when it drafted.
+        drafted: Option<Drafted>,
     },
     /// The request cannot run (bad prompt or options): a 400.
     Rejected(String),
+}
+
+/// One request's speculative decoding (`usage.speculative`).
+#[derive(Clone, Copy, Debug)]
+pub struct Drafted {
+    /// Verify forwards.
+    pub rounds: usize,
+    /// Draft tokens proposed.
+    pub proposed: usize,
+    /// Draft tokens accepted.
+    pub accepted: usize,
 }
 
 /// Messages to the engine thread.
@@ -184,16 +197,23 @@ fn log_totals(st: &mlex_generate::BatchStats) {
 
 /// Runs the engine until the channel closes or a drain completes.
 pub fn run(
-    mut generator: Generator,
-    tokenizer: Tokenizer,
+    loaded: crate::Loaded,
     batch: usize,
     rx: mpsc::Receiver<Msg>,
     metrics: Arc<Metrics>,
 ) -> mlex_core::error::Result<()> {
+    let crate::Loaded {
+        mut generator,
+        tokenizer,
+        speculation,
+    } = loaded;
     let tok = &tokenizer;
     let vocab = generator.model.vocab_size() as usize;
     let mut grammars: Option<Grammars> = None;
     let mut engine = BatchGenerator::new(&mut generator, batch)?;
+    if let Some(s) = speculation {
+        engine.speculate(s)?;
+    }
     let mut running: BTreeMap<SeqId, Running> = BTreeMap::new();
     let mut draining = false;
     loop {
@@ -354,11 +374,22 @@ pub fn run(
                             out.finish.as_str()
                         }
                     );
+                    let drafted = out.speculative.as_ref().map(|s| Drafted {
+                        rounds: s.rounds,
+                        proposed: s.proposed,
+                        accepted: s.accepted,
+                    });
+                    if let Some(d) = drafted {
+                        metrics.speculative_rounds.inc_by(d.rounds as u64);
+                        metrics.draft_proposed.inc_by(d.proposed as u64);
+                        metrics.draft_accepted.inc_by(d.accepted as u64);
+                    }
                     let _ = run.events.send(Event::Done {
                         finish: out.finish,
                         prompt_tokens: out.prompt_tokens,
                         cached_tokens: out.reused_tokens,
                         completion_tokens: out.tokens.len(),
+                        drafted,
                     });
                 }
                 Err(e) => {

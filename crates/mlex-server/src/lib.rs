@@ -82,6 +82,9 @@ pub struct Loaded {
     pub generator: Generator,
     /// Its tokenizer (chat template, end tokens).
     pub tokenizer: Tokenizer,
+    /// Speculative decoding for the requests that allow it (`--lookup`,
+    /// `--draft-model`), made on the engine thread.
+    pub speculation: Option<mlex_generate::BatchSpeculation>,
 }
 
 /// What the HTTP side knows of the model, read on the engine thread.
@@ -444,9 +447,9 @@ pub fn serve(
             }
         };
         let _ = ready_tx.send(Ok(ModelInfo::of(&loaded.generator, &loaded.tokenizer)));
-        let mut generator = loaded.generator;
-        generator.prompt_cache = mlex_generate::PromptCache::new(64, cache_bytes);
-        engine::run(generator, loaded.tokenizer, batch, rx, engine_metrics)
+        let mut loaded = loaded;
+        loaded.generator.prompt_cache = mlex_generate::PromptCache::new(64, cache_bytes);
+        engine::run(loaded, batch, rx, engine_metrics)
     });
     let info = ready_rx
         .recv()

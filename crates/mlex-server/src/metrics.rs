@@ -28,6 +28,12 @@ pub struct Metrics {
     pub generated: Counter,
     /// Tokens per second of the last batched step, all sequences together.
     pub decode_rate: Gauge<f64, AtomicU64>,
+    /// Speculative verify forwards of finished requests.
+    pub speculative_rounds: Counter,
+    /// Draft tokens they proposed.
+    pub draft_proposed: Counter,
+    /// Draft tokens the model accepted.
+    pub draft_accepted: Counter,
 }
 
 impl Metrics {
@@ -73,6 +79,21 @@ impl Metrics {
             "generated_tokens",
             "Tokens generated",
             self.generated.clone(),
+        );
+        r.register(
+            "speculative_rounds",
+            "Speculative verify forwards of finished requests",
+            self.speculative_rounds.clone(),
+        );
+        r.register(
+            "draft_tokens_proposed",
+            "Draft tokens proposed for finished requests",
+            self.draft_proposed.clone(),
+        );
+        r.register(
+            "draft_tokens_accepted",
+            "Draft tokens the model accepted for finished requests",
+            self.draft_accepted.clone(),
         );
         r.register(
             "decode_tokens_per_second",

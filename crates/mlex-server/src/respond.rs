@@ -3,7 +3,7 @@
 //! split into reasoning (`reasoning_content`), content and tool calls
 //! (`tool_calls`, `finish_reason: "tool_calls"`) on the way.
 
-use crate::engine::{Event, LogprobOut, TokenText};
+use crate::engine::{Drafted, Event, LogprobOut, TokenText};
 use crate::request::Shape;
 use crate::{error, finish_reason, now, Kind, Slot};
 use axum::http::StatusCode;
@@ -155,13 +155,29 @@ fn completion_logprobs(lps: &[LogprobOut], mut offset: usize) -> Value {
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
 }
 
-fn usage(prompt_tokens: usize, cached: usize, completion: usize) -> Value {
-    json!({
+fn usage(
+    prompt_tokens: usize,
+    cached: usize,
+    completion: usize,
+    drafted: Option<Drafted>,
+) -> Value {
+    let mut u = json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
-    })
+    });
+    if let Some(d) = drafted {
+        // Not OpenAI's: what speculative decoding did for this request.
+        u["speculative"] = json!({
+            "rounds": d.rounds,
+            "draft_tokens": d.proposed,
+            "accepted_draft_tokens": d.accepted,
+            "acceptance": d.accepted as f64 / d.proposed.max(1) as f64,
+            "mean_accepted_length": (d.accepted + d.rounds) as f64 / d.rounds.max(1) as f64,
+        });
+    }
+    u
 }
 
 /// The finish reason a client sees: `tool_calls` when the answer called a
@@ -237,6 +253,7 @@ pub async fn whole(
                 prompt_tokens,
                 cached_tokens,
                 completion_tokens,
+                drafted,
             }) => {
                 drop(slot);
                 if shape.kind == Kind::Chat {
@@ -280,7 +297,7 @@ pub async fn whole(
                 };
                 return axum::Json(json!({
                     "id": h.id, "object": object, "created": h.created, "model": h.model,
-                    "choices": [choice], "usage": usage(prompt_tokens, cached_tokens, completion_tokens),
+                    "choices": [choice], "usage": usage(prompt_tokens, cached_tokens, completion_tokens, drafted),
                 }))
                 .into_response();
             }
@@ -406,6 +423,7 @@ pub fn streamed(
                     prompt_tokens,
                     cached_tokens,
                     completion_tokens,
+                    drafted,
                 } => {
                     let rest = if shape.kind == Kind::Chat {
                         shaper.finish()
@@ -428,7 +446,7 @@ pub fn streamed(
                     if shape.include_usage {
                         let u = json!({
                             "id": h.id, "object": object, "created": h.created, "model": h.model, "choices": [],
-                            "usage": usage(prompt_tokens, cached_tokens, completion_tokens),
+                            "usage": usage(prompt_tokens, cached_tokens, completion_tokens, drafted),
                         });
                         let _ = out.send(Ok(SseEvent::default().data(u.to_string()))).await;
                     }

@@ -126,12 +126,6 @@ fn parse_line(
 }
 
 pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
-    if a.speculative.lookup || a.speculative.draft_model.is_some() || a.speculative.mtp {
-        return Err(Error::invalid(
-            "--prompts-file",
-            "speculative decoding (--lookup, --draft-model, --mtp) runs one prompt at a time for now; drop one of them",
-        ));
-    }
     a.model.refuse_kv_options("--prompts-file")?;
     let content = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
     let loaded = load_with(&a.model, registry)?;
@@ -155,7 +149,17 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
         };
         let _ = stdout.flush();
     };
+    let speculation = crate::session::batch_speculation(
+        &generator,
+        &a.speculative,
+        &a.model,
+        registry,
+        "--prompts-file",
+    )?;
     let mut engine = BatchGenerator::new(&mut generator, a.batch as usize)?;
+    if let Some(s) = speculation {
+        engine.speculate(s)?;
+    }
     let mut outputs: BTreeMap<SeqId, Output> = BTreeMap::new();
     let mut failed = 0usize;
     let mut total = 0usize;
@@ -229,6 +233,7 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
                                 "finish_reason": finish,
                                 "prompt_tokens": g.prompt_tokens,
                                 "generated_tokens": g.tokens.len(),
+                                "speculative": g.speculative.as_ref().map(super::generate::speculative_json),
                             }),
                             &text,
                             finish,

@@ -7,6 +7,10 @@ use mlex_core::registry::Registry;
 use mlex_generate::{Flow, GenerateOptions, Generator, SamplerConfig};
 use serde_json::json;
 
+mod batched;
+
+use batched::run_batch;
+
 /// Deterministic pseudo-random ids in `[0, vocab)`.
 fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
     prompt_ids_seeded(n, vocab, 0)
@@ -60,7 +64,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         ..Default::default()
     };
     if let Some(n) = a.batch {
-        return run_batch(&a, &mut g, &arch, n as usize, vocab, &opts);
+        return run_batch(&a, registry, &mut g, (&arch, n as usize), vocab, &opts);
     }
     if let Some(n) = a.shared_prefix {
         return run_shared_prefix(&a, &mut g, &arch, n as usize, vocab);
@@ -360,136 +364,6 @@ fn grammar_for(
         .compile(&grammar)
         .map_err(|e| Error::invalid("--json-schema", format!("{}: {e}", path.display())))?;
     Ok((engine, grammar, tok.eos_ids.clone()))
-}
-
-/// One timed batch: `n` prompts of `--prompt-len` random ids, `--gen`
-/// greedy tokens each, all submitted at once.
-struct BatchRun {
-    wall_s: f64,
-    prefill_s: f64,
-    steps: usize,
-    wait_s: f64,
-    prompt_tokens: usize,
-    generated: usize,
-    peak: usize,
-    mask_s: f64,
-    masks: usize,
-}
-
-fn batch_once(
-    g: &mut Generator,
-    a: &BenchArgs,
-    n: usize,
-    gen: usize,
-    vocab: usize,
-    opts: &dyn Fn(usize) -> GenerateOptions,
-) -> Result<BatchRun> {
-    mlex_core::device::reset_peak_memory()?;
-    let prompts: Vec<Vec<u32>> = (0..n)
-        .map(|i| prompt_ids_seeded(a.prompt_len, vocab, i as u64 + 1))
-        .collect();
-    let start = std::time::Instant::now();
-    let mut b = mlex_generate::BatchGenerator::new(g, n)?;
-    for p in prompts {
-        b.submit(p, opts(gen));
-    }
-    let outs = b.run(&mut |_, _| Ok(Flow::Continue))?;
-    let wall_s = start.elapsed().as_secs_f64();
-    for (_, r) in &outs {
-        if let Err(e) = r {
-            return Err(Error::Other(format!("a benchmark sequence failed: {e}")));
-        }
-    }
-    let st = b.stats().clone();
-    Ok(BatchRun {
-        wall_s,
-        prefill_s: st.prefill_time.as_secs_f64(),
-        steps: st.steps,
-        wait_s: st.wait_time.as_secs_f64(),
-        prompt_tokens: st.prefill_tokens,
-        generated: st.generated_tokens,
-        peak: mlex_core::device::peak_memory()?,
-        mask_s: st.mask_time.as_secs_f64(),
-        masks: st.masks,
-    })
-}
-
-/// `mlex bench --batch N`: aggregate throughput of `N` sequences decoded
-/// together (wall time from submission to the last token, prefill
-/// included, as mlx-lm's `BatchGenerator` is measured).
-fn run_batch(
-    a: &BenchArgs,
-    g: &mut Generator,
-    arch: &str,
-    n: usize,
-    vocab: usize,
-    opts: &dyn Fn(usize) -> GenerateOptions,
-) -> Result<()> {
-    // Warm-up at the measured batch size: traces its bucket's segments.
-    batch_once(g, a, n, a.gen.min(4), vocab, opts)?;
-    let mut best: Option<BatchRun> = None;
-    for _ in 0..a.repeats.max(1) {
-        let r = batch_once(g, a, n, a.gen, vocab, opts)?;
-        if best.as_ref().is_none_or(|b| r.wall_s < b.wall_s) {
-            best = Some(r);
-        }
-    }
-    let r = best.expect("at least one run");
-    let decode_s = (r.wall_s - r.prefill_s).max(1e-9);
-    let decoded = r.generated.saturating_sub(n);
-    let info = mlex_core::device::runtime_info()?;
-    let out = json!({
-        "model": a.model.model,
-        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
-        "arch": arch,
-        "device": info.default_device,
-        "backend": info.backend.to_string(),
-        "dispatch": g.model.dispatch.to_json(),
-        "compiled": g.is_compiled(),
-        "batch": n,
-        "prompt_tokens": r.prompt_tokens,
-        "generated_tokens": r.generated,
-        "seconds": r.wall_s,
-        "agg_tok_s": r.generated as f64 / r.wall_s.max(1e-9),
-        "prefill_tok_s": r.prompt_tokens as f64 / r.prefill_s.max(1e-9),
-        "decode_tok_s": decoded as f64 / decode_s,
-        // Where a decode step's time goes: the rest of it is the host's
-        // (graph building, bookkeeping) while the device runs ahead.
-        "decode_steps": r.steps,
-        "device_wait_s": r.wait_s,
-        "peak_memory_bytes": r.peak,
-        // With --json-schema: the host time grammar masks took.
-        "grammar": a.json_schema.as_ref().map(|p| json!({
-            "schema": p, "masks": r.masks, "mask_s": r.mask_s,
-            "mask_ms_per_token": 1e3 * r.mask_s / (r.masks.max(1) as f64),
-        })),
-    });
-    if a.format == Format::Json {
-        println!("{out}");
-    } else {
-        println!("model          {} ({arch})", a.model.model);
-        println!(
-            "batch          {n} sequences, {} + {} tokens each",
-            a.prompt_len, a.gen
-        );
-        println!(
-            "prefill        {} tokens, {:.1} tok/s",
-            r.prompt_tokens,
-            r.prompt_tokens as f64 / r.prefill_s.max(1e-9)
-        );
-        println!(
-            "decode         {decoded} tokens, {:.1} tok/s",
-            decoded as f64 / decode_s
-        );
-        println!(
-            "overall        {} tokens in {:.3} s, {:.1} tok/s",
-            r.generated,
-            r.wall_s,
-            r.generated as f64 / r.wall_s.max(1e-9)
-        );
-        println!("peak memory    {:.3} GB", r.peak as f64 / 1e9);
-    }
-    Ok(())
 }
 
 /// One cold/warm pair of `mlex bench --shared-prefix`.

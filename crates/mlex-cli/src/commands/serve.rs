@@ -9,6 +9,13 @@ use std::time::Duration;
 
 pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
     a.model.refuse_kv_options("mlex serve")?;
+    if a.speculative.mtp {
+        // Before the model loads: the head drafts one sequence at a time.
+        return Err(mlex_core::error::Error::invalid(
+            "--mtp",
+            "drafts one sequence at a time for now (generate, chat, bench), not with mlex serve; use --lookup or --draft-model",
+        ));
+    }
     let model_id = a.served_model_name.clone().unwrap_or_else(|| {
         let trimmed = a.model.model.trim_end_matches('/');
         trimmed.rsplit('/').next().unwrap_or(trimmed).to_owned()
@@ -25,6 +32,7 @@ pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
         prompt_cache_bytes: a.prompt_cache_bytes,
     };
     let model_args = a.model.clone();
+    let spec_args = a.speculative.clone();
     // The model lives on the engine thread: MLX arrays and compiled traces
     // stay on the thread that made them.
     let load = Box::new(move || -> Result<Loaded> {
@@ -32,9 +40,17 @@ pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
         let loaded = load_with(&model_args, &registry)?;
         let tokenizer = tokenizer_for(&loaded)?;
         let generator = crate::session::generator(loaded.model, &model_args);
+        let speculation = crate::session::batch_speculation(
+            &generator,
+            &spec_args,
+            &model_args,
+            &registry,
+            "mlex serve",
+        )?;
         Ok(Loaded {
             generator,
             tokenizer,
+            speculation,
         })
     });
     let stop = mlex_server::Shutdown::default();

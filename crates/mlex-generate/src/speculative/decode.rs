@@ -180,16 +180,16 @@ fn emit(
     Ok(None)
 }
 
-/// The accept/reject rule over one verify forward.
-struct Judge<'a> {
-    sampler: &'a Sampler,
+/// The accept/reject rule over one verify forward (of one sequence).
+pub(crate) struct Judge<'a> {
+    pub(crate) sampler: &'a Sampler,
     /// `[T, V]`: the logits after each input position.
-    logits: Array,
+    pub(crate) logits: Array,
     /// The tokens before the round and the repetition penalty's context,
     /// when the penalty is on.
-    history: Option<(&'a [u32], usize)>,
+    pub(crate) history: Option<(&'a [u32], usize)>,
     /// The round's input: the last token, then the draft.
-    input: &'a [i32],
+    pub(crate) input: &'a [i32],
 }
 
 impl Judge<'_> {
@@ -210,7 +210,12 @@ impl Judge<'_> {
     /// The tokens the round emits: the accepted drafts, then the target's
     /// own token (the replacement of the first rejected draft, or the one
     /// after them all).
-    fn emitted(&self, draft: &Draft, greedy: bool, rng: &mut StdRng) -> Result<Vec<u32>> {
+    pub(crate) fn emitted(
+        &self,
+        draft: &Draft,
+        greedy: bool,
+        rng: &mut StdRng,
+    ) -> Result<Vec<u32>> {
         let n = draft.tokens.len();
         if let Some(m) = draft.keep {
             // Benchmarks only: the target's token after a set prefix.
@@ -262,8 +267,9 @@ impl Judge<'_> {
     }
 }
 
-/// The argmax of every row of `[T, V]` logits, on the host.
-fn argmax_ids(l: &Array) -> Result<Vec<u32>> {
+/// The argmax of every row of `[T, V]` logits (or of any leading shape),
+/// on the host.
+pub(crate) fn argmax_ids(l: &Array) -> Result<Vec<u32>> {
     let ids = ops::indexing::argmax_axis(l, -1, None)?.as_dtype(Dtype::Uint32)?;
     ids.eval()?;
     Ok(ids.as_slice::<u32>().to_vec())

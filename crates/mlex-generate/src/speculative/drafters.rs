@@ -9,7 +9,9 @@ use mlex_core::model::{CacheMark, ModelCache};
 use mlx_rs::{ops, Array, Dtype};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::cell::RefCell;
 use std::collections::VecDeque;
+use std::rc::Rc;
 
 /// Prompt lookup decoding (Saxena, 2023; as in Hugging Face transformers'
 /// `prompt_lookup_num_tokens`): the last `n` tokens are searched for
@@ -126,7 +128,9 @@ impl Drafter for PromptLookup {
 /// own caches, which roll back to the accepted prefix after every round
 /// (hybrids included: it keeps a [`CacheMark`] per drafted token).
 pub struct DraftModel {
-    generator: Generator,
+    /// Shared by the drafters of a batch's rows ([`DraftModel::share`]):
+    /// one copy of the weights, a cache each.
+    generator: Rc<RefCell<Generator>>,
     cache: Option<ModelCache>,
     /// The tokens its cache holds.
     seen: Vec<u32>,
@@ -150,7 +154,7 @@ impl DraftModel {
             ));
         }
         Ok(Self {
-            generator,
+            generator: Rc::new(RefCell::new(generator)),
             cache: None,
             seen: Vec::new(),
             marks: Vec::new(),
@@ -158,22 +162,33 @@ impl DraftModel {
         })
     }
 
+    /// A drafter on the same draft model with caches of its own (another
+    /// sequence of a batch).
+    pub fn share(&self) -> Self {
+        Self {
+            generator: self.generator.clone(),
+            cache: None,
+            seen: Vec::new(),
+            marks: Vec::new(),
+            base: 0,
+        }
+    }
+
     /// Brings its cache up to `context` and returns the logits `[1, V]`
     /// after it, or `None` when it cannot roll back `k` tokens (a full
     /// sliding window).
     fn catch_up(&mut self, context: &[u32], k: usize) -> Result<Option<Array>> {
+        let mut generator = self.generator.borrow_mut();
         if self.cache.is_none()
             || !context.starts_with(&self.seen)
             || self.seen.len() == context.len()
         {
-            self.cache = Some(self.generator.model.make_cache(1)?);
+            self.cache = Some(generator.model.make_cache(1)?);
             self.seen.clear();
         }
         let cache = self.cache.as_mut().expect("made above");
         let start = self.seen.len();
-        let logits = self
-            .generator
-            .prefill(&context[start..], start, cache, None, None)?;
+        let logits = generator.prefill(&context[start..], start, cache, None, None)?;
         self.seen.extend_from_slice(&context[start..]);
         Ok(cache.can_take_back(k).then_some(logits))
     }
@@ -208,7 +223,7 @@ impl Drafter for DraftModel {
                 let cache = self.cache.as_mut().expect("caught up");
                 self.marks.push(cache.mark());
                 let x = Array::from_slice(&[t as i32], &[1, 1]);
-                logits = self.generator.step(&x, cache)?;
+                logits = self.generator.borrow_mut().step(&x, cache)?;
                 self.seen.push(t);
             }
         }

@@ -28,6 +28,8 @@ mod decode;
 mod drafters;
 mod mtp;
 
+pub(crate) use decode::{argmax_ids, Judge};
+
 pub use drafters::{DraftModel, ForcedKeep, PromptLookup, ScriptedDrafter, Spoil};
 pub use mtp::MtpDrafter;
 

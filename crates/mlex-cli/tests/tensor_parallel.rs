@@ -92,22 +92,27 @@ fn greedy_ids(f: &Fixture, prompt: &[i32], tp: u32, extra: &[&str]) -> Vec<i64> 
 /// logits within 1e-5 of the largest (the ranks sum their products' parts
 /// in another order, so the last bits differ).
 fn two_ranks_equal_one_device(names: &[&str]) {
+    ranks_equal_one_device(names, 2);
+}
+
+/// [`two_ranks_equal_one_device`] on `ranks` ranks.
+fn ranks_equal_one_device(names: &[&str], ranks: u32) {
     for name in names {
         let f = fixture(name);
         let r = reference(&f);
         let one = logits(&f, &r.prompt, 1);
-        let two = logits(&f, &r.prompt, 2);
-        let (d, m) = max_diff(&two, &one);
+        let split = logits(&f, &r.prompt, ranks);
+        let (d, m) = max_diff(&split, &one);
         assert!(
             d <= 1e-5 * m.max(1.0),
-            "{name}: logits differ by {d} (largest {m})"
+            "{name} on {ranks} ranks: logits differ by {d} (largest {m})"
         );
         for extra in [&[][..], &["--no-compile"][..]] {
             let want = greedy_ids(&f, &r.prompt, 1, extra);
             assert_eq!(
-                greedy_ids(&f, &r.prompt, 2, extra),
+                greedy_ids(&f, &r.prompt, ranks, extra),
                 want,
-                "{name} {extra:?}"
+                "{name} on {ranks} ranks {extra:?}"
             );
         }
     }
@@ -152,6 +157,27 @@ fn two_ranks_equal_one_device_on_moe_gguf_and_quantized_weights() {
         "gguf-qwen3_next-f32",
         "llama-q4-g32",
     ]);
+}
+
+#[test]
+fn four_ranks_share_the_key_value_heads_and_equal_one_device() {
+    // Every fixture has 2 key/value heads (and Qwen3.5's Gated DeltaNet 2
+    // key heads): on 4 ranks each is held by 2 ranks, beside the rank's own
+    // query (value) heads. Fused q/k/v in the checkpoint (phi3), a
+    // full-width k norm summed over ranks (olmo2), canon B over the k/v
+    // channels (dhara), MoE and GGUF.
+    ranks_equal_one_device(
+        &[
+            "qwen3-f32",
+            "phi3-f32",
+            "olmo2-f32",
+            "dhara-f32",
+            "qwen3_5-f32",
+            "qwen3_5_moe-f32",
+            "gguf-qwen3_5-f32",
+        ],
+        4,
+    );
 }
 
 /// `bench --format json` of `f` on `tp` ranks (rank 0's report).
@@ -200,6 +226,20 @@ fn each_rank_holds_its_part_of_the_split_weights() {
         (w2 - embed - split / 2.0).abs() < 0.05 * split,
         "rank 0 holds {w2} bytes of {w1} (embedding {embed})"
     );
+    // And it read no more than that from the checkpoint: one device reads
+    // its weights and a few kB besides (config, tokenizer, /proc); a rank
+    // reads its part and the same few kB, not the whole tensors it cuts.
+    let read = |v: &Value| {
+        v["memory"]["read_bytes"]
+            .as_f64()
+            .expect("read_bytes on Linux")
+    };
+    let (r1, r2) = (read(&one), read(&two));
+    let besides = r1 - w1;
+    assert!(
+        r2 < w2 + besides + 0.1 * (w1 - w2),
+        "rank 0 read {r2} bytes for {w2} of weights (one device: {r1} for {w1})"
+    );
 }
 
 #[test]
@@ -230,14 +270,11 @@ fn failure_with(f: &Fixture, envs: &[(&str, &std::ffi::OsStr)], args: &[&str]) -
 
 #[test]
 fn ranks_that_cannot_split_a_layer_fail_naming_it_and_the_rank() {
-    // 2 key/value heads do not split three ways: every rank says so, the
+    // 4 query heads do not split three ways: every rank says so, the
     // launcher names the rank that failed first and stops the others.
     let f = fixture("llama-f32");
     let err = failure(&f, &["generate", "--prompt-ids", "1,2", "--tp", "3"]);
-    assert!(
-        err.contains("2 key/value heads do not split into 3"),
-        "{err}"
-    );
+    assert!(err.contains("4 query heads do not split into 3"), "{err}");
     assert!(err.contains("[rank "), "{err}");
     assert!(err.contains("the other ranks were stopped"), "{err}");
     // Whole quantization groups only.
@@ -255,6 +292,18 @@ fn ranks_that_cannot_split_a_layer_fail_naming_it_and_the_rank() {
         ],
     );
     assert!(err.contains("o_proj") && err.contains("--tp 2"), "{err}");
+    // Fewer B/C groups than ranks: NemotronH's gated norm is grouped by
+    // them; Qwen3-Next's projections interleave key and value heads.
+    let err = failure(
+        &fixture("nemotron_h-f32"),
+        &["generate", "--prompt-ids", "1,2", "--tp", "4"],
+    );
+    assert!(err.contains("2 B/C groups (n_groups)"), "{err}");
+    let err = failure(
+        &fixture("qwen3_next-f32"),
+        &["generate", "--prompt-ids", "1,2", "--tp", "4"],
+    );
+    assert!(err.contains("Qwen3-Next layout"), "{err}");
 }
 
 #[test]

@@ -214,6 +214,11 @@ pub struct MemoryReport {
     pub rss: Option<usize>,
     /// The process's highest resident set (as `rss`).
     pub rss_peak: Option<usize>,
+    /// Bytes the process has read through read system calls since it
+    /// started (Linux: `rchar` of `/proc/self/io`; `None` elsewhere): what
+    /// loading the weights read from their files, with the tokenizer's and
+    /// config's few kB.
+    pub read: Option<usize>,
 }
 
 impl MemoryReport {
@@ -226,6 +231,7 @@ impl MemoryReport {
             cache: mlx_rs::memory::cache_memory()?,
             rss,
             rss_peak,
+            read: process_read(),
         })
     }
 
@@ -237,8 +243,17 @@ impl MemoryReport {
             "mlx_cache_bytes": self.cache,
             "rss_bytes": self.rss,
             "rss_peak_bytes": self.rss_peak,
+            "read_bytes": self.read,
         })
     }
+}
+
+/// `rchar` of `/proc/self/io`: bytes read through system calls.
+fn process_read() -> Option<usize> {
+    let io = std::fs::read_to_string("/proc/self/io").ok()?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("rchar:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// `VmRSS` and `VmHWM` of `/proc/self/status`, in bytes.

@@ -187,40 +187,25 @@ impl Shard {
     /// (a length that the ranks do not divide is an error naming `what`).
     pub fn part(&self, x: &Array, axis: usize, what: &str) -> Result<Array> {
         let len = x.shape()[axis];
-        self.segmented_part(x, axis, &[len], what)
+        self.segmented_part(x, axis, &[(len, self.size)], what)
     }
 
     /// This rank's part of `x` whose `axis` is a concatenation of
-    /// `segments` (whole lengths, e.g. a q/k/v projection's rows): each
-    /// segment is cut into `size` equal parts and the rank keeps its part
-    /// of each, in order.
+    /// `segments`, each `(length, parts)`: a segment (e.g. the q, k or v
+    /// rows of a projection) is cut into `parts` equal parts, `parts`
+    /// dividing the ranks, and each part is held by `size / parts`
+    /// consecutive ranks (fewer key/value heads than ranks: each rank
+    /// keeps the head its query heads read). The rank keeps its part of
+    /// each segment, in order.
     pub fn segmented_part(
         &self,
         x: &Array,
         axis: usize,
-        segments: &[i32],
+        segments: &[(i32, usize)],
         what: &str,
     ) -> Result<Array> {
-        let len = x.shape()[axis];
-        if segments.iter().sum::<i32>() != len {
-            return Err(Error::Other(format!(
-                "{what}: {len} rows along axis {axis} are not the segments {segments:?}"
-            )));
-        }
-        let mut index = Vec::with_capacity(len as usize / self.size);
-        let mut at = 0;
-        for &seg in segments {
-            if !(seg as usize).is_multiple_of(self.size) {
-                return Err(Error::Other(format!(
-                    "{what}: {seg} rows along axis {axis} do not split into {} equal parts (--tp {})",
-                    self.size, self.size
-                )));
-            }
-            let n = seg / self.size as i32;
-            let start = at + n * self.rank as i32;
-            index.extend(start..start + n);
-            at += seg;
-        }
+        let ranges = self.part_ranges(x.shape()[axis], axis, segments, what)?;
+        let index: Vec<i32> = ranges.iter().flat_map(|&(s, n)| s..s + n).collect();
         let n = index.len() as i32;
         // A gather, not a slice: a slice would be a view that keeps the
         // whole tensor's buffer alive once evaluated.
@@ -229,6 +214,42 @@ impl Shard {
             Array::from_slice(&index, &[n]),
             axis as i32,
         )?)
+    }
+
+    /// The rows along `axis` (of `len`, the concatenation of `segments`,
+    /// as in [`Shard::segmented_part`]) this rank keeps, as `(start,
+    /// count)` runs in order.
+    pub fn part_ranges(
+        &self,
+        len: i32,
+        axis: usize,
+        segments: &[(i32, usize)],
+        what: &str,
+    ) -> Result<Vec<(i32, i32)>> {
+        if segments.iter().map(|&(n, _)| n).sum::<i32>() != len {
+            return Err(Error::Other(format!(
+                "{what}: {len} rows along axis {axis} are not the segments {segments:?}"
+            )));
+        }
+        let mut ranges = Vec::with_capacity(segments.len());
+        let mut at = 0;
+        for &(seg, parts) in segments {
+            if parts == 0
+                || !self.size.is_multiple_of(parts)
+                || !(seg as usize).is_multiple_of(parts)
+            {
+                return Err(Error::Other(format!(
+                    "{what}: {seg} rows along axis {axis} do not split into {parts} equal parts \
+                     for {} ranks (--tp {})",
+                    self.size, self.size
+                )));
+            }
+            let n = seg / parts as i32;
+            let part = self.rank / (self.size / parts);
+            ranges.push((at + n * part as i32, n));
+            at += seg;
+        }
+        Ok(ranges)
     }
 }
 

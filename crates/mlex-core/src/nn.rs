@@ -324,8 +324,10 @@ impl FusedLinear {
         let name = fused_name(&prefixes);
         if ld.has(&format!("{name}.weight")) {
             // Stored concatenated: under --tp each part's rows split on
-            // their own.
-            let linear = ld.with_segments(&name, &sizes, |ld| {
+            // their own (shared by as many ranks as its own would be).
+            let segments: Vec<(i32, usize)> =
+                parts.iter().map(|&(p, n)| (n, ld.copies_of(p))).collect();
+            let linear = ld.with_shared_segments(&name, &segments, |ld| {
                 Linear::load(ld, &name, in_features, total, bias)
             })?;
             return Ok(Self::One { linear, sizes });

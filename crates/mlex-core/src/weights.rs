@@ -21,6 +21,20 @@ use std::path::{Path, PathBuf};
 struct Entry {
     array: Array,
     file: usize,
+    /// Where its bytes lie in the file, while it is as loaded: a rank of a
+    /// tensor-parallel group reads its part from there, never the whole.
+    span: Option<FileSpan>,
+}
+
+/// A tensor's place in a safetensors file: the offset of its data, its
+/// element type and shape (row-major).
+#[derive(Clone, Debug)]
+struct FileSpan {
+    offset: u64,
+    dtype: Dtype,
+    /// Bytes an element.
+    elem: u64,
+    shape: Vec<i32>,
 }
 
 /// Named tensors with the file each came from.
@@ -36,6 +50,11 @@ pub struct WeightMap {
 /// Validates a safetensors file without reading its data: header present,
 /// parseable, offsets inside the file, dtypes that MLX can load.
 pub fn validate_safetensors(path: &Path) -> Result<()> {
+    scan_safetensors(path).map(|_| ())
+}
+
+/// [`validate_safetensors`], and where each tensor's data lies.
+fn scan_safetensors(path: &Path) -> Result<BTreeMap<String, FileSpan>> {
     let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let bad = |message: String| Error::BadWeightsFile {
         file: path.to_owned(),
@@ -54,30 +73,72 @@ pub fn validate_safetensors(path: &Path) -> Result<()> {
             None => bad(e.to_string()),
         }
     })?;
+    let mut spans = BTreeMap::new();
     for (name, view) in st.tensors() {
         use safetensors::Dtype as D;
-        match view.dtype() {
-            D::F32
-            | D::F16
-            | D::BF16
-            | D::U32
-            | D::I32
-            | D::U8
-            | D::I8
-            | D::I64
-            | D::U64
-            | D::BOOL
-            | D::U16
-            | D::I16
-            | D::F64 => {}
+        let dtype = match view.dtype() {
+            D::F32 => Dtype::Float32,
+            D::F16 => Dtype::Float16,
+            D::BF16 => Dtype::Bfloat16,
+            D::U32 => Dtype::Uint32,
+            D::I32 => Dtype::Int32,
+            D::U8 => Dtype::Uint8,
+            D::I8 => Dtype::Int8,
+            D::I64 => Dtype::Int64,
+            D::U64 => Dtype::Uint64,
+            D::BOOL => Dtype::Bool,
+            D::U16 => Dtype::Uint16,
+            D::I16 => Dtype::Int16,
+            D::F64 => Dtype::Float64,
             other => {
                 return Err(bad(format!(
                     "tensor `{name}` has dtype {other:?}, which MLX cannot load"
                 )))
             }
+        };
+        let offset = (view.data().as_ptr() as usize - map.as_ptr() as usize) as u64;
+        let shape = view.shape().iter().map(|&d| d as i32).collect();
+        let elem = (view.dtype().bitsize() / 8) as u64;
+        spans.insert(
+            name,
+            FileSpan {
+                offset,
+                dtype,
+                elem,
+                shape,
+            },
+        );
+    }
+    Ok(spans)
+}
+
+/// The runs `ranges` (`(start, count)` along `axis`) of the tensor at
+/// `span` in `path`, read from the file and nothing else: one read per
+/// run and index of the axes before `axis`.
+fn read_part(path: &Path, span: &FileSpan, axis: usize, ranges: &[(i32, i32)]) -> Result<Array> {
+    use std::os::unix::fs::FileExt;
+    let elem = span.elem;
+    let dim = span.shape[axis] as u64;
+    let outer: u64 = span.shape[..axis].iter().map(|&d| d as u64).product();
+    let inner: u64 = span.shape[axis + 1..].iter().map(|&d| d as u64).product();
+    let kept: i32 = ranges.iter().map(|&(_, n)| n).sum();
+    let mut bytes = vec![0u8; (outer * kept as u64 * inner * elem) as usize];
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut at = 0usize;
+    for o in 0..outer {
+        for &(start, n) in ranges {
+            let from = span.offset + ((o * dim + start as u64) * inner) * elem;
+            let len = (n as u64 * inner * elem) as usize;
+            file.read_exact_at(&mut bytes[at..at + len], from)
+                .map_err(|e| Error::io(path, e))?;
+            at += len;
         }
     }
-    Ok(())
+    let mut shape = span.shape.clone();
+    shape[axis] = kept;
+    // SAFETY: `bytes` holds exactly `shape`'s elements of `span.dtype`, row
+    // major; MLX copies them.
+    Ok(unsafe { Array::from_raw_data(bytes.as_ptr().cast(), &shape, span.dtype) })
 }
 
 /// The first tensor of a safetensors header whose shape and dtype need
@@ -126,7 +187,7 @@ impl WeightMap {
     pub fn load_safetensors(paths: &[PathBuf]) -> Result<Self> {
         let mut map = Self::new();
         for path in paths {
-            validate_safetensors(path)?;
+            let mut spans = scan_safetensors(path)?;
             let tensors = Array::load_safetensors(path).map_err(|e| Error::BadWeightsFile {
                 file: path.clone(),
                 format: "safetensors",
@@ -144,7 +205,15 @@ impl WeightMap {
                         ),
                     });
                 }
-                map.tensors.insert(name, Entry { array, file: idx });
+                let span = spans.remove(&name);
+                map.tensors.insert(
+                    name,
+                    Entry {
+                        array,
+                        file: idx,
+                        span,
+                    },
+                );
             }
         }
         Ok(map)
@@ -163,7 +232,9 @@ impl WeightMap {
 
     /// Inserts (or replaces) a tensor from source file `file`.
     pub fn insert(&mut self, name: impl Into<String>, array: Array, file: usize) {
-        self.tensors.insert(name.into(), Entry { array, file });
+        let span = None;
+        self.tensors
+            .insert(name.into(), Entry { array, file, span });
     }
 
     /// The tensor called `name`.
@@ -179,6 +250,12 @@ impl WeightMap {
     /// Removes and returns a tensor with its source file index.
     pub fn remove(&mut self, name: &str) -> Option<(Array, usize)> {
         self.tensors.remove(name).map(|e| (e.array, e.file))
+    }
+
+    /// [`WeightMap::remove`], with where the tensor lies in its file while
+    /// it is as loaded.
+    fn remove_with_span(&mut self, name: &str) -> Option<(Array, usize, Option<FileSpan>)> {
+        self.tensors.remove(name).map(|e| (e.array, e.file, e.span))
     }
 
     /// All names, sorted.
@@ -229,6 +306,7 @@ impl WeightMap {
         for (name, e) in self.tensors.iter_mut() {
             if pred(name, &e.array) {
                 e.array = f(&e.array)?;
+                e.span = None;
             }
         }
         Ok(())
@@ -245,8 +323,12 @@ pub struct WeightLoader {
     /// The split scope tensors are taken in ([`WeightLoader::with_split`]).
     split: Option<Split>,
     /// Tensors (by module prefix) whose split axis is a concatenation of
-    /// segments, each split on its own ([`WeightLoader::with_segments`]).
-    segments: Vec<(String, Vec<i32>)>,
+    /// segments, each split on its own ([`WeightLoader::with_segments`]):
+    /// this rank's length of each and how many ranks hold each part.
+    segments: Vec<(String, Vec<(i32, usize)>)>,
+    /// Modules whose split tensors each part of which several ranks hold
+    /// ([`WeightLoader::with_copies`]).
+    copies: Vec<(String, usize)>,
 }
 
 /// Up to `n` of `candidates` closest to `name`: most characters shared at
@@ -302,6 +384,7 @@ impl WeightLoader {
             dispatch,
             split: None,
             segments: Vec::new(),
+            copies: Vec::new(),
         }
     }
 
@@ -341,10 +424,58 @@ impl WeightLoader {
         segments: &[i32],
         f: impl FnOnce(&mut WeightLoader) -> Result<T>,
     ) -> Result<T> {
+        let ones: Vec<(i32, usize)> = segments.iter().map(|&n| (n, 1)).collect();
+        self.with_shared_segments(module, &ones, f)
+    }
+
+    /// [`WeightLoader::with_segments`] where a segment's parts may each be
+    /// held by several ranks: `(this rank's length, copies)`, a segment
+    /// cut into `size / copies` parts (e.g. key/value heads fewer than the
+    /// ranks, [`WeightLoader::with_copies`]).
+    pub fn with_shared_segments<T>(
+        &mut self,
+        module: &str,
+        segments: &[(i32, usize)],
+        f: impl FnOnce(&mut WeightLoader) -> Result<T>,
+    ) -> Result<T> {
         self.segments.push((module.to_owned(), segments.to_vec()));
         let out = f(self);
         self.segments.pop();
         out
+    }
+
+    /// Runs `f` with the split tensors under each of `modules` cut into
+    /// `size / copies` parts, each held by `copies` consecutive ranks
+    /// (`copies` dividing the ranks): a rank of a group larger than a
+    /// layer's key/value heads keeps the one head its query heads read.
+    pub fn with_copies<T>(
+        &mut self,
+        modules: &[&str],
+        copies: usize,
+        f: impl FnOnce(&mut WeightLoader) -> Result<T>,
+    ) -> Result<T> {
+        let depth = self.copies.len();
+        self.copies
+            .extend(modules.iter().map(|m| ((*m).to_owned(), copies)));
+        let out = f(self);
+        self.copies.truncate(depth);
+        out
+    }
+
+    /// How many ranks hold each part of the split tensors under `module`
+    /// ([`WeightLoader::with_copies`]; 1 outside it).
+    pub fn copies_of(&self, module: &str) -> usize {
+        let under = |m: &str| {
+            module == m
+                || module
+                    .strip_prefix(m)
+                    .is_some_and(|rest| rest.starts_with('.'))
+        };
+        self.copies
+            .iter()
+            .rev()
+            .find(|(m, _)| under(m))
+            .map_or(1, |&(_, c)| c)
     }
 
     /// The backend policy layers are built with.
@@ -425,18 +556,48 @@ impl WeightLoader {
 
     fn remove_checked(&mut self, name: &str, shape: Option<&[i32]>, float: bool) -> Result<Array> {
         let file = self.file_for(name);
-        let (array, _) = self.map.remove(name).ok_or_else(|| self.missing(name))?;
+        let (array, _, span) = self
+            .map
+            .remove_with_span(name)
+            .ok_or_else(|| self.missing(name))?;
         let cut = match (self.split(), self.shard()) {
             (Some(split), Some(shard)) if !self.map.rank_parts => {
                 split.axis(array.ndim()).map(|axis| (axis, shard.clone()))
             }
             _ => None,
         };
+        // Each segment of the split axis: this rank's length and how many
+        // ranks hold each of its parts (one segment, one copy: an even cut).
+        let plan: Vec<(i32, usize)> = self
+            .segments
+            .iter()
+            .rev()
+            .find(|(module, _)| {
+                name.strip_prefix(module.as_str())
+                    .is_some_and(|rest| rest.starts_with('.'))
+            })
+            .map(|(_, s)| s.clone())
+            .unwrap_or_else(|| vec![(1, self.copies_of(name))]);
+        let ranks = cut.as_ref().map_or(1, |(_, shard)| shard.size());
+        let parts = |copies: usize| {
+            if copies > 0 && ranks.is_multiple_of(copies) {
+                Ok((ranks / copies) as i32)
+            } else {
+                Err(Error::Other(format!(
+                    "{name}: {copies} ranks cannot share each part of a split across {ranks} ranks"
+                )))
+            }
+        };
+        let local: i32 = plan.iter().map(|&(n, _)| n).sum();
+        let mut whole_units = 0;
+        for &(n, c) in &plan {
+            whole_units += n * parts(c)?;
+        }
         let whole_shape: Option<Vec<i32>> = shape.map(|s| {
             let mut s = s.to_vec();
-            if let Some((axis, shard)) = &cut {
+            if let Some((axis, _)) = &cut {
                 if let Some(d) = s.get_mut(*axis) {
-                    *d *= shard.size() as i32;
+                    *d = (*d as i64 * whole_units as i64 / local.max(1) as i64) as i32;
                 }
             }
             s
@@ -464,23 +625,21 @@ impl WeightLoader {
                 found: format!("{:?}", array.dtype()),
             });
         }
-        let segments = self
-            .segments
-            .iter()
-            .rev()
-            .find(|(module, _)| {
-                name.strip_prefix(module.as_str())
-                    .is_some_and(|rest| rest.starts_with('.'))
-            })
-            .map(|(_, s)| s);
-        match (cut, segments) {
-            (Some((axis, shard)), Some(local)) => {
-                let scale = array.shape()[axis] / local.iter().sum::<i32>().max(1);
-                let whole: Vec<i32> = local.iter().map(|s| s * scale).collect();
-                shard.segmented_part(&array, axis, &whole, name)
-            }
-            (Some((axis, shard)), None) => shard.part(&array, axis, name),
-            (None, _) => Ok(array),
+        let Some((axis, shard)) = cut else {
+            return Ok(array);
+        };
+        let len = array.shape()[axis];
+        let scale = len / whole_units.max(1);
+        let mut whole = Vec::with_capacity(plan.len());
+        for &(n, c) in &plan {
+            let p = parts(c)?;
+            whole.push((n * p * scale, p as usize));
+        }
+        let ranges = shard.part_ranges(len, axis, &whole, name)?;
+        match span.filter(|s| s.shape.as_slice() == array.shape() && s.dtype == array.dtype()) {
+            // As loaded: read this rank's part from the file, no more.
+            Some(span) => read_part(&file, &span, axis, &ranges),
+            None => shard.segmented_part(&array, axis, &whole, name),
         }
     }
 

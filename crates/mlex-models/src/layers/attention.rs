@@ -194,23 +194,34 @@ impl Attention {
             }
         };
         // Under --tp each rank keeps whole heads: its share of the query
-        // heads and of the key/value heads they read.
-        let (n_heads, n_kv_heads) = match ctx.weights.shard() {
-            None => (n_heads, n_kv_heads),
+        // heads and of the key/value heads they read. With fewer key/value
+        // heads than ranks, `kv_copies` consecutive ranks share each one
+        // (as Megatron-LM replicates them).
+        let (n_heads, n_kv_heads, kv_copies) = match ctx.weights.shard() {
+            None => (n_heads, n_kv_heads, 1),
             Some(shard) => {
                 let n = shard.size() as i32;
-                let refuse = |what: &str| {
+                let refuse = |what: String| {
                     Err(Error::Other(format!(
                         "--tp {n}: attention of layer {} ({}) cannot be split: {what}",
                         ctx.index, ctx.prefix
                     )))
                 };
-                if n_kv_heads % n != 0 {
-                    return refuse(&format!(
-                        "{n_kv_heads} key/value heads do not split into {n} equal parts"
+                if n_heads % n != 0 {
+                    return refuse(format!(
+                        "{n_heads} query heads do not split into {n} equal parts"
                     ));
                 }
-                (n_heads / n, n_kv_heads / n)
+                if n_kv_heads % n == 0 {
+                    (n_heads / n, n_kv_heads / n, 1)
+                } else if n % n_kv_heads == 0 {
+                    (n_heads / n, 1, (n / n_kv_heads) as usize)
+                } else {
+                    return refuse(format!(
+                        "{n_kv_heads} key/value heads neither split into {n} equal parts nor \
+                         divide {n} ranks"
+                    ));
+                }
             }
         };
         let eps = o.norm_eps as f32;
@@ -218,17 +229,21 @@ impl Attention {
         let a = |n: &str| format!("{attn_prefix}.{n}");
         let q_out = n_heads * head_dim * if o.gated { 2 } else { 1 };
         let kv_out = n_kv_heads * head_dim;
+        let shared = [a("k_proj"), a("v_proj"), a("k_norm")];
+        let shared: Vec<&str> = shared.iter().map(String::as_str).collect();
         let qkv = ctx.weights.with_split(Split::Output, |ld| {
-            FusedLinear::load(
-                ld,
-                &[
-                    (&a("q_proj"), q_out),
-                    (&a("k_proj"), kv_out),
-                    (&a("v_proj"), kv_out),
-                ],
-                hidden,
-                o.qkv_bias,
-            )
+            ld.with_copies(&shared, kv_copies, |ld| {
+                FusedLinear::load(
+                    ld,
+                    &[
+                        (&a("q_proj"), q_out),
+                        (&a("k_proj"), kv_out),
+                        (&a("v_proj"), kv_out),
+                    ],
+                    hidden,
+                    o.qkv_bias,
+                )
+            })
         })?;
         let o_proj = ctx.weights.with_split(Split::Input, |ld| {
             Linear::load(ld, &a("o_proj"), n_heads * head_dim, hidden, o.o_bias)
@@ -251,7 +266,9 @@ impl Attention {
                     ))
                 };
                 if qk == QkNorm::Full {
-                    ctx.weights.with_split(Split::Leading, load)?
+                    ctx.weights.with_split(Split::Leading, |ld| {
+                        ld.with_copies(&shared, kv_copies, load)
+                    })?
                 } else {
                     load(ctx.weights)?
                 }
@@ -297,12 +314,16 @@ impl Attention {
             }
             if c.set.contains('B') {
                 // Depthwise over the q/k/v channels: split with the heads.
+                let shared = [a("canon_b_k.conv"), a("canon_b_v.conv")];
+                let shared: Vec<&str> = shared.iter().map(String::as_str).collect();
                 canon_b = Some(ctx.weights.with_split(Split::Leading, |ld| {
-                    Ok([
-                        Canon::load(ld, &a("canon_b_q.conv"), n_heads * head_dim, &c)?,
-                        Canon::load(ld, &a("canon_b_k.conv"), n_kv_heads * head_dim, &c)?,
-                        Canon::load(ld, &a("canon_b_v.conv"), n_kv_heads * head_dim, &c)?,
-                    ])
+                    ld.with_copies(&shared, kv_copies, |ld| {
+                        Ok([
+                            Canon::load(ld, &a("canon_b_q.conv"), n_heads * head_dim, &c)?,
+                            Canon::load(ld, &a("canon_b_k.conv"), n_kv_heads * head_dim, &c)?,
+                            Canon::load(ld, &a("canon_b_v.conv"), n_kv_heads * head_dim, &c)?,
+                        ])
+                    })
                 })?);
             }
         }

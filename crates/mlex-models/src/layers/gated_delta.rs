@@ -116,19 +116,30 @@ impl GatedDelta {
             ));
         }
         // Under --tp each rank keeps whole key heads and the value heads
-        // that read them (value head h reads key head h / (nv / nk)).
-        let (nk, nv) = match ctx.weights.shard() {
-            None => (nk, nv),
+        // that read them (value head h reads key head h / (nv / nk)). With
+        // fewer key heads than ranks (Qwen3.5's layout, whose q/k rows are
+        // not interleaved with v), `k_copies` consecutive ranks share each.
+        let (nk, nv, k_copies) = match ctx.weights.shard() {
+            None => (nk, nv, 1),
             Some(shard) => {
                 let n = shard.size() as i32;
-                if nk % n != 0 {
+                if nk % n == 0 {
+                    (nk / n, nv / n, 1)
+                } else if n % nk == 0 && nv % n == 0 && o.layout == Layout::Qwen35 {
+                    (1, nv / n, (n / nk) as usize)
+                } else {
                     return Err(Error::Other(format!(
                         "--tp {n}: gated_delta of layer {} ({}) cannot be split: {nk} key heads \
-                         (linear_num_key_heads) do not split into {n} equal parts",
-                        ctx.index, ctx.prefix
+                         (linear_num_key_heads) do not split into {n} equal parts{}",
+                        ctx.index,
+                        ctx.prefix,
+                        if o.layout == Layout::Qwen35 {
+                            ""
+                        } else {
+                            " (the Qwen3-Next layout interleaves them with the value heads)"
+                        }
                     )));
                 }
-                (nk / n, nv / n)
             }
         };
         let eps = o.norm_eps as f32;
@@ -158,15 +169,15 @@ impl GatedDelta {
         // The conv channels (and Qwen3.5's in_proj_qkv rows) are q | k | v:
         // each segment splits by heads. Qwen3-Next's projections are
         // grouped per key head and split as they are.
-        let qkv_segments = [key_dim, key_dim, value_dim];
+        let qkv_segments = [(key_dim, k_copies), (key_dim, k_copies), (value_dim, 1)];
         let ld = &mut *ctx.weights;
         let proj = ld.with_split(Split::Output, |ld| {
-            ld.with_segments(&m("in_proj_qkv"), &qkv_segments, |ld| {
+            ld.with_shared_segments(&m("in_proj_qkv"), &qkv_segments, |ld| {
                 FusedLinear::load(ld, &parts, hidden, false)
             })
         })?;
         let (conv, dt_bias, a_log) = ld.with_split(Split::Leading, |ld| {
-            let conv = ld.with_segments(&m("conv1d"), &qkv_segments, |ld| {
+            let conv = ld.with_shared_segments(&m("conv1d"), &qkv_segments, |ld| {
                 DepthwiseConv::load(ld, &m("conv1d"), conv_dim, kernel, false)
             })?;
             Ok((

@@ -6,9 +6,10 @@
 //! each split weight it holds ([`Shard::part`]) and the collective that
 //! joins the parts ([`Shard::all_sum`]). Layers split their weights through
 //! the [`WeightLoader`](crate::weights::WeightLoader)'s split scopes
-//! ([`Split`]); the residual stream, norms, the embedding and the output
-//! head stay whole on every rank, so every rank computes the same logits
-//! and samples the same token. The layout follows Megatron-LM (Shoeybi et
+//! ([`Split`]); the residual stream and norms stay whole on every rank, the
+//! embedding and output head split by vocabulary (a lookup summed, the
+//! logits gathered: [`crate::nn::gather_vocab`]), so every rank computes
+//! the same logits and samples the same token. The layout follows Megatron-LM (Shoeybi et
 //! al. 2019: column-split input projections, row-split output projections,
 //! one all-reduce each) as mlx-lm's `shard_linear` does.
 //!

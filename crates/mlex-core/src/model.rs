@@ -32,6 +32,9 @@ pub enum Head {
     Tied(Embedding),
     /// A separate linear layer.
     Linear(Linear),
+    /// A separate linear layer split by vocabulary across the ranks of
+    /// `--tp` (its rows; the logits gathered).
+    SplitLinear(Linear, crate::distributed::Shard),
 }
 
 /// Final norm, output projection and optional soft-cap: hidden states to
@@ -55,7 +58,7 @@ impl OutputHead {
         let mut v = self.norm.params();
         match &self.head {
             Head::Tied(e) => v.extend(e.params()),
-            Head::Linear(l) => v.extend(l.params()),
+            Head::Linear(l) | Head::SplitLinear(l, _) => v.extend(l.params()),
         }
         v
     }
@@ -79,6 +82,7 @@ impl OutputHead {
         let mut out = match &self.head {
             Head::Tied(e) => e.as_linear(p, &h)?,
             Head::Linear(l) => l.forward(p, &h)?,
+            Head::SplitLinear(l, shard) => crate::nn::gather_vocab(shard, &l.forward(p, &h)?)?,
         };
         if let Some(d) = self.divisor {
             out = ops::divide(&out, crate::nn::scalar(d, out.dtype())?)?;
@@ -259,13 +263,26 @@ impl Model {
         )?;
         let head = match &plan.head {
             HeadPlan::Tied => Head::Tied(embed.clone()),
-            HeadPlan::Linear(prefix) => Head::Linear(Linear::load(
-                &mut ld,
-                prefix,
-                plan.hidden_size,
-                plan.vocab_size,
-                false,
-            )?),
+            HeadPlan::Linear(prefix) => {
+                let load = |ld: &mut WeightLoader, rows: i32| {
+                    Linear::load(ld, prefix, plan.hidden_size, rows, false)
+                };
+                // Under --tp split by vocabulary (as mlx-lm shards an untied
+                // head) when the ranks divide it.
+                match dispatch
+                    .tensor_parallel
+                    .as_ref()
+                    .filter(|s| (plan.vocab_size as usize).is_multiple_of(s.size()))
+                {
+                    Some(shard) => {
+                        let rows = plan.vocab_size / shard.size() as i32;
+                        let l =
+                            ld.with_split(crate::distributed::Split::Output, |ld| load(ld, rows))?;
+                        Head::SplitLinear(l, shard.clone())
+                    }
+                    None => Head::Linear(load(&mut ld, plan.vocab_size)?),
+                }
+            }
         };
         let mtp = match &plan.mtp {
             Some(m) if !m.layers.is_empty() && ld.has(&format!("{}.fc.weight", m.prefix)) => {

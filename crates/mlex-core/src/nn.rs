@@ -7,6 +7,7 @@
 //! operation, so that parity with mlx-lm holds to float rounding.
 
 use crate::dispatch::DenseProduct;
+use crate::distributed::{Shard, Split};
 use crate::error::{Error, Result};
 use crate::params::{ParamId, Params};
 use crate::quant::QuantSpec;
@@ -461,6 +462,14 @@ impl FusedLinear {
     }
 }
 
+/// The ranks' logits `[..., vocab / size]` joined in rank order along the
+/// last axis (MLX gathers along the first).
+pub fn gather_vocab(shard: &Shard, x: &Array) -> Result<Array> {
+    let last = x.ndim() as i32 - 1;
+    let front = ops::move_axis(x, last, 0)?;
+    Ok(ops::move_axis(&shard.all_gather(&front)?, 0, last)?)
+}
+
 /// Token embedding, dense or quantized, usable as a tied output head.
 #[derive(Clone, Debug)]
 pub struct Embedding {
@@ -477,14 +486,32 @@ pub struct Embedding {
     pub scale: Option<f32>,
     /// How its product as a tied head runs.
     pub product: Product,
+    /// Under --tp, when the ranks divide the vocabulary: this rank holds
+    /// the rows `[rank * vocab / size, (rank + 1) * vocab / size)`; a
+    /// lookup sums the ranks' rows (each rank's are zero but for its own
+    /// ids) and a product gathers the ranks' logits.
+    pub vocab_split: Option<Shard>,
 }
 
 impl Embedding {
-    /// Loads `{prefix}.weight` (quantized when `{prefix}.scales` exists).
+    /// Loads `{prefix}.weight` (quantized when `{prefix}.scales` exists);
+    /// under --tp split by vocabulary when the ranks divide it, whole on
+    /// every rank otherwise.
     pub fn load(ld: &mut WeightLoader, prefix: &str, vocab: i32, dim: i32) -> Result<Self> {
-        let (weight, quant) = match load_quantized(ld, prefix, &[vocab], dim)? {
-            Some((w, q)) => (w, Some(q)),
-            None => (ld.take(&format!("{prefix}.weight"), &[vocab, dim])?, None),
+        let vocab_split = ld
+            .shard()
+            .filter(|s| (vocab as usize).is_multiple_of(s.size()))
+            .cloned();
+        let rows = vocab / vocab_split.as_ref().map_or(1, |s| s.size() as i32);
+        let load = |ld: &mut WeightLoader| -> Result<_> {
+            Ok(match load_quantized(ld, prefix, &[rows], dim)? {
+                Some((w, q)) => (w, Some(q)),
+                None => (ld.take(&format!("{prefix}.weight"), &[rows, dim])?, None),
+            })
+        };
+        let (weight, quant) = match vocab_split {
+            Some(_) => ld.with_split(Split::Leading, load)?,
+            None => load(ld)?,
         };
         Ok(Self {
             weight,
@@ -493,6 +520,7 @@ impl Embedding {
             dim,
             scale: None,
             product: ld.product(),
+            vocab_split,
         })
     }
 
@@ -530,6 +558,26 @@ impl Embedding {
     }
 
     fn lookup(&self, p: &Params, ids: &Array) -> Result<Array> {
+        let Some(shard) = &self.vocab_split else {
+            return self.lookup_rows(p, ids);
+        };
+        // This rank's rows for its own ids, zeros for the others', summed
+        // over the ranks: every id is some one rank's, and x + 0 is x.
+        let rows = self.vocab / shard.size() as i32;
+        let first = rows * shard.rank() as i32;
+        let local = ops::subtract(&ids.as_dtype(Dtype::Int32)?, Array::from_int(first))?;
+        let mine = ops::logical_and(
+            &ops::ge(&local, Array::from_int(0))?,
+            &ops::lt(&local, Array::from_int(rows))?,
+        )?;
+        let clamped = ops::clip(&local, (0, rows - 1))?;
+        let found = self.lookup_rows(p, &clamped)?;
+        let zero = Array::from_f32(0.0).as_dtype(found.dtype())?;
+        let kept = ops::select(&ops::expand_dims(&mine, -1)?, &found, &zero)?;
+        shard.all_sum(&kept)
+    }
+
+    fn lookup_rows(&self, p: &Params, ids: &Array) -> Result<Array> {
         let w = p.get(self.weight)?;
         match &self.quant {
             None => Ok(w.take_axis(ids, 0)?),
@@ -551,11 +599,15 @@ impl Embedding {
     /// `x @ W^T`: the embedding as the output projection (tied heads).
     pub fn as_linear(&self, p: &Params, x: &Array) -> Result<Array> {
         let w = p.get(self.weight)?;
-        match &self.quant {
-            None => self.product.dense(x, w),
+        let out = match &self.quant {
+            None => self.product.dense(x, w)?,
             Some(q) => self
                 .product
-                .quantized(x, w, p.get(q.scales)?, p.get(q.biases)?, &q.spec),
+                .quantized(x, w, p.get(q.scales)?, p.get(q.biases)?, &q.spec)?,
+        };
+        match &self.vocab_split {
+            Some(shard) => gather_vocab(shard, &out),
+            None => Ok(out),
         }
     }
 }

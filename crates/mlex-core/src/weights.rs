@@ -578,8 +578,10 @@ impl WeightLoader {
             })
             .map(|(_, s)| s.clone())
             .unwrap_or_else(|| vec![(1, self.copies_of(name))]);
-        let ranks = cut.as_ref().map_or(1, |(_, shard)| shard.size());
+        // Nothing is cut (one device, or a map of this rank's parts already).
+        let ranks = cut.as_ref().map(|(_, shard)| shard.size());
         let parts = |copies: usize| {
+            let Some(ranks) = ranks else { return Ok(1) };
             if copies > 0 && ranks.is_multiple_of(copies) {
                 Ok((ranks / copies) as i32)
             } else {

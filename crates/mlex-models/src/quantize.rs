@@ -108,7 +108,7 @@ pub fn quantize_with(
     }
     let mut targets: BTreeSet<ParamId> = BTreeSet::new();
     targets.extend(model.embed.quantizable());
-    if let Head::Linear(l) = &model.output.head {
+    if let Head::Linear(l) | Head::SplitLinear(l, _) = &model.output.head {
         targets.extend(l.quantizable());
     }
     for slot in &model.layers {
@@ -163,6 +163,22 @@ pub fn quantize_with(
                 weights.insert(format!("{module}.scales"), s, file);
                 weights.insert(format!("{module}.biases"), b, file);
                 packed += 1;
+            }
+            // A rank's part that is not whole groups would stay dense where
+            // one device quantizes the whole: not the same model.
+            Some(_) if targets.contains(&id) && model.dispatch.tensor_parallel.is_some() => {
+                return Err(Error::invalid(
+                    "--quantize",
+                    format!(
+                        "`{name}` has {cols} columns on a rank of --tp {}, not whole groups of \
+                         {group_size} (--group-size)",
+                        model
+                            .dispatch
+                            .tensor_parallel
+                            .as_ref()
+                            .map_or(1, |s| s.size())
+                    ),
+                ));
             }
             _ => weights.insert(name, array.clone(), file),
         }

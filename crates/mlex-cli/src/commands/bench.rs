@@ -40,6 +40,8 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         ));
     }
     let loaded = crate::session::load_for(&a.model, Some(&a.speculative), registry)?;
+    // What loading read from files (later reads add the ring's traffic).
+    let load_read = mlex_core::device::MemoryReport::now()?.read;
     let vocab = loaded.model.vocab_size() as usize;
     let arch = loaded.model.arch.clone();
     // With --json-schema every sequence is held to it and ends where it
@@ -138,6 +140,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         "max_kv_size": g.model.max_kv_size,
         // This rank's weights (all of them on one device).
         "weight_bytes": g.model.params.nbytes(),
+        "load_read_bytes": load_read,
         "speculative": r.speculative.as_ref().map(super::generate::speculative_json),
     });
     if a.format == Format::Json {

@@ -331,12 +331,57 @@ fn ranks_that_cannot_split_a_layer_fail_naming_it_and_the_rank() {
     assert!(err.contains("Qwen3-Next layout"), "{err}");
 }
 
+/// The JSON turns of `mlex chat` on `tp` ranks fed `input`, without
+/// their speeds.
+fn chat_turns(f: &Fixture, input: &str, tp: u32) -> Vec<Value> {
+    let out = mlex(f)
+        .args([
+            "chat",
+            "--format",
+            "json",
+            "--max-tokens",
+            "24",
+            "--stop",
+            "Rome",
+        ])
+        .args(["--tp", &tp.to_string(), "--model"])
+        .arg(path_of(f))
+        .write_stdin(input)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    String::from_utf8_lossy(&out)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| {
+            let mut v: Value = serde_json::from_str(l).unwrap();
+            let o = v.as_object_mut().unwrap();
+            o.retain(|k, _| !k.ends_with("tok_s"));
+            v
+        })
+        .collect()
+}
+
+#[test]
+fn chat_under_three_ranks_equals_one_device() {
+    // SmolLM2-135M (9 heads, 3 key/value heads): rank 0 reads each line
+    // and shares it; the prompt cache carries turns over; a stop string
+    // ends turn 2 on every rank; /reset and the end of input likewise.
+    let f = fixture("smollm2-gguf");
+    let input = "What is the capital of France?\nAnd of Italy?\n/reset\nHi\n";
+    let want = chat_turns(&f, input, 1);
+    assert_eq!(want.len(), 3);
+    assert_eq!(want[1]["finish_reason"], "stop", "{want:?}");
+    assert_eq!(chat_turns(&f, input, 3), want);
+}
+
 #[test]
 fn commands_that_cannot_run_split_refuse_tp_by_name() {
     let f = fixture("llama-f32");
     for args in [
         &["serve", "--tp", "2"][..],
-        &["chat", "--tp", "2"][..],
         &["perplexity", "--data", "x.txt", "--tp", "2"][..],
         &["bench", "--batch", "4", "--tp", "2"][..],
     ] {

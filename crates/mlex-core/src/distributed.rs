@@ -184,6 +184,36 @@ impl Shard {
         }
     }
 
+    /// Rank 0's `values` on every rank (what the other ranks pass is
+    /// ignored): its length, then its values, each summed with the other
+    /// ranks' zeros. For what only rank 0 knows, e.g. a line it read.
+    pub fn share_from_first(&self, values: &[i32]) -> Result<Vec<i32>> {
+        let first = self.rank == 0;
+        let len = if first { values.len() as i32 } else { 0 };
+        let len = self.sum_ints(&[len])?[0];
+        let mine: Vec<i32> = if first {
+            values.to_vec()
+        } else {
+            vec![0; len.max(0) as usize]
+        };
+        if mine.is_empty() {
+            return Ok(mine);
+        }
+        self.sum_ints(&mine)
+    }
+
+    /// Whether `flag` holds on any rank (e.g. a stop one rank saw).
+    pub fn any(&self, flag: bool) -> Result<bool> {
+        Ok(self.sum_ints(&[i32::from(flag)])?[0] > 0)
+    }
+
+    fn sum_ints(&self, values: &[i32]) -> Result<Vec<i32>> {
+        let x = Array::from_slice(values, &[values.len() as i32]);
+        let sum = self.all_sum(&x)?;
+        sum.eval()?;
+        Ok(sum.as_slice::<i32>().to_vec())
+    }
+
     /// This rank's part of `x` cut into `size` equal parts along `axis`
     /// (a length that the ranks do not divide is an error naming `what`).
     pub fn part(&self, x: &Array, axis: usize, what: &str) -> Result<Array> {

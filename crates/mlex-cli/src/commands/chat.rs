@@ -4,6 +4,7 @@
 
 use crate::args::{ChatArgs, Format};
 use crate::session::{generate_options, open_prompt_cache, tokenizer_for};
+use mlex_core::distributed::Shard;
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{Flow, Message, TextStream};
@@ -28,6 +29,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
         Some(dir) => Some(open_prompt_cache(&mut generator, dir, &fingerprint)?),
         None => None,
     };
+    let shard = generator.model.dispatch.tensor_parallel.clone();
     let interactive = std::io::stdin().is_terminal();
     let json = a.format == Format::Json;
     let system: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).collect();
@@ -43,15 +45,9 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
             eprint!(">>> ");
             let _ = std::io::stderr().flush();
         }
-        let mut line = String::new();
-        if stdin
-            .lock()
-            .read_line(&mut line)
-            .map_err(|e| Error::io("<stdin>", e))?
-            == 0
-        {
+        let Some(line) = next_line(&stdin, shard.as_ref())? else {
             break;
-        }
+        };
         let line = line.trim_end_matches(['\n', '\r']);
         match line.trim() {
             "" => continue,
@@ -69,7 +65,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
         let prompt = tokenizer.chat_ids(&history, true)?;
         let mut text_stream = TextStream::new(&tokenizer, a.sampling.stop.clone());
         let mut on_token = |t: u32| -> Result<Flow> {
-            if crate::interrupt::requested() {
+            if shard.is_none() && crate::interrupt::requested() {
                 return Ok(Flow::Stop);
             }
             let pushed = text_stream.push(t)?;
@@ -77,11 +73,13 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
                 let _ = out.write_all(pushed.text.as_bytes());
                 let _ = out.flush();
             }
-            Ok(if pushed.stop {
-                Flow::Stop
-            } else {
-                Flow::Continue
-            })
+            // Under --tp every rank stops at the same token: a stop string
+            // is seen alike, an interrupt by whichever rank got it.
+            let stop = match &shard {
+                Some(shard) => shard.any(pushed.stop || crate::interrupt::requested())?,
+                None => pushed.stop,
+            };
+            Ok(if stop { Flow::Stop } else { Flow::Continue })
         };
         // Ctrl-C cuts this reply short and the chat goes on; at the prompt
         // it exits (see `interrupt`).
@@ -124,4 +122,38 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
         history.push(Message::new("assistant", &text));
     }
     Ok(())
+}
+
+/// The next line of input (`None`: its end): read from stdin, and under
+/// --tp read by rank 0 and shared with the others (whose stdin is empty).
+fn next_line(stdin: &std::io::Stdin, shard: Option<&Shard>) -> Result<Option<String>> {
+    let read = || -> Result<Option<String>> {
+        let mut line = String::new();
+        let n = stdin
+            .lock()
+            .read_line(&mut line)
+            .map_err(|e| Error::io("<stdin>", e))?;
+        Ok((n > 0).then_some(line))
+    };
+    let Some(shard) = shard else {
+        return read();
+    };
+    // Rank 0's line as [1, bytes...], or [0] at the end of its input.
+    let mine: Vec<i32> = match shard.rank() {
+        0 => match read()? {
+            Some(line) => std::iter::once(1)
+                .chain(line.bytes().map(i32::from))
+                .collect(),
+            None => vec![0],
+        },
+        _ => Vec::new(),
+    };
+    let shared = shard.share_from_first(&mine)?;
+    match shared.split_first() {
+        Some((1, bytes)) => {
+            let bytes: Vec<u8> = bytes.iter().map(|&b| b as u8).collect();
+            Ok(Some(String::from_utf8_lossy(&bytes).into_owned()))
+        }
+        _ => Ok(None),
+    }
 }

@@ -69,7 +69,7 @@ fn tensor_parallel(command: &Command) -> Result<u32> {
                 .then_some("bench --batch and --shared-prefix"),
         ),
         Command::Logits(a) => (a.tp, None),
-        Command::Chat(a) => (a.model.tp, Some("mlex chat")),
+        Command::Chat(a) => (a.model.tp, None),
         Command::Serve(a) => (a.model.tp, Some("mlex serve")),
         Command::Perplexity(a) => (a.model.tp, Some("mlex perplexity")),
         _ => (1, None),
@@ -77,7 +77,7 @@ fn tensor_parallel(command: &Command) -> Result<u32> {
     match refused {
         Some(what) if tp > 1 => Err(mlex_core::error::Error::invalid(
             "--tp",
-            format!("not yet with {what} (split runs: generate, bench, logits)"),
+            format!("not yet with {what} (split runs: generate, chat, bench, logits)"),
         )),
         _ => Ok(tp),
     }

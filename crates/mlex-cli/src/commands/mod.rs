@@ -63,21 +63,17 @@ pub fn run(cli: Cli) -> Result<()> {
 fn tensor_parallel(command: &Command) -> Result<u32> {
     let (tp, refused) = match command {
         Command::Generate(a) => (a.model.tp, None),
-        Command::Bench(a) => (
-            a.model.tp,
-            (a.batch.is_some() || a.shared_prefix.is_some())
-                .then_some("bench --batch and --shared-prefix"),
-        ),
+        Command::Bench(a) => (a.model.tp, None),
         Command::Logits(a) => (a.tp, None),
         Command::Chat(a) => (a.model.tp, None),
         Command::Serve(a) => (a.model.tp, Some("mlex serve")),
-        Command::Perplexity(a) => (a.model.tp, Some("mlex perplexity")),
+        Command::Perplexity(a) => (a.model.tp, None),
         _ => (1, None),
     };
     match refused {
         Some(what) if tp > 1 => Err(mlex_core::error::Error::invalid(
             "--tp",
-            format!("not yet with {what} (split runs: generate, chat, bench, logits)"),
+            format!("not yet with {what} (split runs: generate, chat, bench, logits, perplexity)"),
         )),
         _ => Ok(tp),
     }

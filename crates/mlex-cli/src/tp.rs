@@ -46,6 +46,12 @@ pub fn role(tp: u32) -> Role {
     }
 }
 
+/// Whether this process is a rank of a group other than rank 0 (MLX's
+/// environment names it).
+pub fn follower() -> bool {
+    std::env::var("MLX_RANK").is_ok_and(|r| r.trim() != "0")
+}
+
 /// The collective backend of this process's default device.
 pub fn backend() -> CollectiveBackend {
     if mlex_core::device::default_is_cuda_gpu() {

@@ -421,3 +421,63 @@ fn a_speculating_server_answers_as_a_plain_one() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--mtp"), "{err}");
 }
+
+#[test]
+fn a_server_under_three_ranks_answers_as_one_device() {
+    // SmolLM2-135M on 3 ranks (9 heads, 3 key/value heads): rank 0 serves
+    // and shares each admission and each stop with the others. Greedy
+    // requests in one batch, a seeded sampled one and a stop string give
+    // one device's answers; a grammar is refused by name, and the server
+    // goes on serving.
+    let ask = |content: &str, extra: Value| {
+        let mut v = json!({"messages": [{"role": "user", "content": content}],
+            "max_tokens": 12, "temperature": 0});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    let requests = [
+        ask("What is the capital of France?", json!({})),
+        ask("Name three colors.", json!({"stop": ["Blue"]})),
+        ask("Tell a story.", json!({"temperature": 0.9, "seed": 5})),
+    ];
+    let answers = |s: &Server| -> Vec<Value> {
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = requests
+                .iter()
+                .map(|r| sc.spawn(move || post(s, "/v1/chat/completions", None, r)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    let (code, v) = h.join().unwrap();
+                    assert_eq!(code, 200, "{v}");
+                    v
+                })
+                .collect()
+        })
+    };
+    let one = answers(&start(&["--batch", "4"]));
+    let s = start(&["--batch", "4", "--tp", "3"]);
+    let three = answers(&s);
+    for (i, (a, b)) in one.iter().zip(&three).enumerate() {
+        assert_eq!(a["choices"][0], b["choices"][0], "request {i}");
+        assert_eq!(
+            a["usage"]["completion_tokens"],
+            b["usage"]["completion_tokens"]
+        );
+    }
+    assert_eq!(one[1]["choices"][0]["finish_reason"], "stop");
+    let (code, v) = post(
+        &s,
+        "/v1/chat/completions",
+        None,
+        &ask("Hi", json!({"response_format": {"type": "json_object"}})),
+    );
+    assert_eq!(code, 400, "{v}");
+    assert!(v.to_string().contains("not followed under --tp"), "{v}");
+    let (code, v) = post(&s, "/v1/chat/completions", None, &requests[0]);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["choices"][0], one[0]["choices"][0]);
+}

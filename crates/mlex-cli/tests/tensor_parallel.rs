@@ -428,20 +428,6 @@ fn perplexity_and_batched_bench_under_ranks_equal_one_device() {
 }
 
 #[test]
-fn commands_that_cannot_run_split_refuse_tp_by_name() {
-    let f = fixture("llama-f32");
-    let err = failure(&f, &["serve", "--tp", "2"]);
-    assert!(
-        err.contains("invalid --tp: not yet with mlex serve"),
-        "{err}"
-    );
-    assert!(
-        !err.contains("[rank"),
-        "refused before any rank starts: {err}"
-    );
-}
-
-#[test]
 fn a_rank_with_a_hostfile_that_lies_fails_naming_it() {
     let f = fixture("llama-f32");
     let dir = tempfile::tempdir().unwrap();

@@ -12,7 +12,7 @@ use mlx_rs::random::{self, RandomState};
 use mlx_rs::{ops, Array, Dtype};
 
 /// Sampling settings, validated by [`SamplerConfig::validate`].
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SamplerConfig {
     /// Temperature; 0 is greedy.
     pub temp: f32,

@@ -209,6 +209,20 @@ pub fn run(
     } = loaded;
     let tok = &tokenizer;
     let vocab = generator.model.vocab_size() as usize;
+    // Under --tp: what rank 0 does, shared with the other ranks.
+    let shard = generator.model.dispatch.tensor_parallel.clone();
+    let mut plan = crate::replicas::Plan::default();
+    let end = |shard: &Option<mlex_core::distributed::Shard>| match shard {
+        Some(s) => crate::replicas::share(
+            s,
+            Some(&crate::replicas::Plan {
+                end: true,
+                ..Default::default()
+            }),
+        )
+        .map(|_| ()),
+        None => Ok(()),
+    };
     let mut grammars: Option<Grammars> = None;
     let mut engine = BatchGenerator::new(&mut generator, batch)?;
     if let Some(s) = speculation {
@@ -221,13 +235,13 @@ pub fn run(
         let first = if engine.is_idle() {
             if draining {
                 log_totals(engine.stats());
-                return Ok(());
+                return end(&shard);
             }
             match rx.recv() {
                 Ok(m) => Some(m),
                 Err(_) => {
                     log_totals(engine.stats());
-                    return Ok(());
+                    return end(&shard);
                 }
             }
         } else {
@@ -254,6 +268,12 @@ pub fn run(
                         }
                     };
                     let mut opts = job.opts;
+                    if let (Some((_, field)), Some(_)) = (&job.grammar, &shard) {
+                        let _ = job.events.send(Event::Rejected(format!(
+                            "`{field}`: a grammar is not followed under --tp yet"
+                        )));
+                        continue;
+                    }
                     if let Some((g, field)) = &job.grammar {
                         if grammars.is_none() {
                             match Grammars::new(tok, vocab) {
@@ -282,6 +302,10 @@ pub fn run(
                     // Shared prefixes (system prompts, earlier turns) come
                     // from the prompt cache, hybrids included.
                     opts.use_prompt_cache = true;
+                    if shard.is_some() {
+                        plan.admit
+                            .push(crate::replicas::Admission::of(&ids, &mut opts));
+                    }
                     let id = engine.submit(ids, opts);
                     running.insert(
                         id,
@@ -296,15 +320,19 @@ pub fn run(
                 Msg::CancelAll => {
                     for &id in running.keys() {
                         engine.cancel(id);
+                        plan.cancel.push(id);
                     }
                 }
             }
+        }
+        if let Some(s) = &shard {
+            crate::replicas::share(s, Some(&std::mem::take(&mut plan)))?;
         }
         metrics.queue_depth.set(engine.waiting() as i64);
         metrics.active.set(engine.active() as i64);
         let before = engine.stats().clone();
         let started = std::time::Instant::now();
-        let mut on_token = |id: SeqId, t: &Emitted| -> mlex_core::error::Result<Flow> {
+        let mut decide = |id: SeqId, t: &Emitted| -> mlex_core::error::Result<Flow> {
             let Some(r) = running.get_mut(&id) else {
                 return Ok(Flow::Continue);
             };
@@ -332,6 +360,14 @@ pub fn run(
                 return Ok(Flow::Stop);
             }
             Ok(flow)
+        };
+        // Every rank stops a sequence at the same token.
+        let mut on_token = |id: SeqId, t: &Emitted| -> mlex_core::error::Result<Flow> {
+            let flow = decide(id, t)?;
+            match &shard {
+                Some(s) => crate::replicas::agree(s, flow),
+                None => Ok(flow),
+            }
         };
         let finished = engine.step(&mut on_token)?;
         let after = engine.stats();

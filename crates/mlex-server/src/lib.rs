@@ -29,8 +29,11 @@
 mod api;
 mod engine;
 mod metrics;
+mod replicas;
 mod request;
 mod respond;
+
+pub use replicas::follow;
 
 use api::{ChatRequest, CompletionRequest};
 use axum::body::Body;

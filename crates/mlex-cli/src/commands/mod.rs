@@ -58,25 +58,17 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// The command's `--tp`, refused by name where a command cannot run split
-/// yet (checked before any rank starts).
+/// The command's `--tp` (every command that loads a model runs split).
 fn tensor_parallel(command: &Command) -> Result<u32> {
-    let (tp, refused) = match command {
-        Command::Generate(a) => (a.model.tp, None),
-        Command::Bench(a) => (a.model.tp, None),
-        Command::Logits(a) => (a.tp, None),
-        Command::Chat(a) => (a.model.tp, None),
-        Command::Serve(a) => (a.model.tp, Some("mlex serve")),
-        Command::Perplexity(a) => (a.model.tp, None),
-        _ => (1, None),
-    };
-    match refused {
-        Some(what) if tp > 1 => Err(mlex_core::error::Error::invalid(
-            "--tp",
-            format!("not yet with {what} (split runs: generate, chat, bench, logits, perplexity)"),
-        )),
-        _ => Ok(tp),
-    }
+    Ok(match command {
+        Command::Generate(a) => a.model.tp,
+        Command::Bench(a) => a.model.tp,
+        Command::Logits(a) => a.tp,
+        Command::Chat(a) => a.model.tp,
+        Command::Serve(a) => a.model.tp,
+        Command::Perplexity(a) => a.model.tp,
+        _ => 1,
+    })
 }
 
 /// `--arch-file` paths plus `$MLEX_ARCH_PATH`.

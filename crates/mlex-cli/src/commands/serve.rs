@@ -53,6 +53,10 @@ pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
             speculation,
         })
     });
+    if crate::tp::follower() {
+        // A rank other than 0 of --tp: no HTTP, the engine in lockstep.
+        return mlex_server::follow(load()?, cfg.batch, cfg.prompt_cache_bytes);
+    }
     let stop = mlex_server::Shutdown::default();
     let on_signal = stop.clone();
     crate::interrupt::serving(

@@ -90,7 +90,28 @@ pub fn join(size: u32) -> Result<Shard> {
     });
     let shard = Shard::join(backend(), size as usize);
     done.store(true, std::sync::atomic::Ordering::SeqCst);
-    shard
+    match shard {
+        Err(e) if backend() == CollectiveBackend::Ring => Err(own_address_taken().unwrap_or(e)),
+        other => other,
+    }
+}
+
+/// The error to give when this rank's own `ip:port` of the hostfile cannot
+/// be bound (a port in use): MLX's own says only that the group failed.
+fn own_address_taken() -> Option<Error> {
+    let rank: usize = std::env::var("MLX_RANK").ok()?.trim().parse().ok()?;
+    let path = PathBuf::from(std::env::var_os("MLX_HOSTFILE")?);
+    let hosts: Vec<Vec<String>> =
+        serde_json::from_str(&std::fs::read_to_string(&path).ok()?).ok()?;
+    let addr = hosts.get(rank)?.first()?;
+    let taken = std::net::TcpListener::bind(addr.as_str()).err()?;
+    Some(Error::invalid(
+        "MLX_HOSTFILE",
+        format!(
+            "{}: rank {rank}'s address {addr} cannot be bound ({taken}); is another process using it?",
+            path.display()
+        ),
+    ))
 }
 
 /// The ring backend's rank and hostfile, checked before MLX reads them
@@ -191,7 +212,19 @@ fn environments(
     backend: CollectiveBackend,
     dir: &std::path::Path,
 ) -> Result<Vec<Vec<(String, String)>>> {
-    let rank_env = |r: u32| vec![("MLX_RANK".to_owned(), r.to_string())];
+    // Each rank its own temporary folder, kept between runs: MLX's CPU
+    // backend compiles kernels into `$TMPDIR/mlx` and loads them from
+    // there, and ranks compiling the same kernel into one folder at the
+    // same moment load each other's half-written libraries.
+    let base = std::env::temp_dir();
+    let rank_env = |r: u32| {
+        let tmp = base.join(format!("mlex-rank-{r}"));
+        let _ = std::fs::create_dir_all(&tmp);
+        vec![
+            ("MLX_RANK".to_owned(), r.to_string()),
+            ("TMPDIR".to_owned(), tmp.display().to_string()),
+        ]
+    };
     match backend {
         CollectiveBackend::Ring => {
             let ports = free_ports(n as usize)?;

@@ -161,9 +161,10 @@ fn two_ranks_equal_one_device_on_moe_gguf_and_quantized_weights() {
 
 #[test]
 fn four_ranks_share_the_key_value_heads_and_equal_one_device() {
-    // Every fixture has 2 key/value heads (and Qwen3.5's Gated DeltaNet 2
-    // key heads): on 4 ranks each is held by 2 ranks, beside the rank's own
-    // query (value) heads. Fused q/k/v in the checkpoint (phi3), a
+    // Every fixture has 2 key/value heads (Qwen3.5's Gated DeltaNet 2 key
+    // heads, Mamba2 2 B/C groups): on 4 ranks each is held by 2 ranks,
+    // beside the rank's own query (value, SSM) heads; a Mamba2 group's
+    // gated norm sums its squares over its 2 ranks. Fused q/k/v in the checkpoint (phi3), a
     // full-width k norm summed over ranks (olmo2), canon B over the k/v
     // channels (dhara), MoE, GGUF and 4-bit weights; the embedding (tied
     // or not) and an untied head (phi3, olmo2) split by vocabulary.
@@ -177,6 +178,7 @@ fn four_ranks_share_the_key_value_heads_and_equal_one_device() {
             "qwen3_5_moe-f32",
             "gguf-qwen3_5-f32",
             "llama-q4-g32",
+            "nemotron_h-f32",
         ],
         4,
     );
@@ -317,13 +319,16 @@ fn ranks_that_cannot_split_a_layer_fail_naming_it_and_the_rank() {
         ],
     );
     assert!(err.contains("o_proj") && err.contains("--tp 2"), "{err}");
-    // Fewer B/C groups than ranks: NemotronH's gated norm is grouped by
-    // them; Qwen3-Next's projections interleave key and value heads.
+    // 2 Mamba2 groups neither split three ways nor divide 3 ranks;
+    // Qwen3-Next's projections interleave key and value heads.
     let err = failure(
         &fixture("nemotron_h-f32"),
-        &["generate", "--prompt-ids", "1,2", "--tp", "4"],
+        &["generate", "--prompt-ids", "1,2", "--tp", "3"],
     );
-    assert!(err.contains("2 B/C groups (n_groups)"), "{err}");
+    assert!(
+        err.contains("2 B/C groups (n_groups) neither split into 3"),
+        "{err}"
+    );
     let err = failure(
         &fixture("qwen3_next-f32"),
         &["generate", "--prompt-ids", "1,2", "--tp", "4"],
@@ -425,6 +430,35 @@ fn perplexity_and_batched_bench_under_ranks_equal_one_device() {
     let v: Value =
         serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap();
     assert_eq!(v["dispatch"]["tensor_parallel"]["size"], 2, "{v}");
+}
+
+#[test]
+fn a_rank_whose_port_is_in_use_fails_naming_it() {
+    let f = fixture("llama-f32");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts.json");
+    std::fs::write(
+        &hosts,
+        format!(r#"[["127.0.0.1:{port}"], ["127.0.0.1:1"]]"#),
+    )
+    .unwrap();
+    let err = failure_with(
+        &f,
+        &[
+            ("MLX_RANK", std::ffi::OsStr::new("0")),
+            ("MLX_HOSTFILE", hosts.as_os_str()),
+        ],
+        &["generate", "--prompt-ids", "1,2", "--tp", "2"],
+    );
+    assert!(
+        err.contains(&format!(
+            "rank 0's address 127.0.0.1:{port} cannot be bound"
+        )),
+        "{err}"
+    );
+    drop(taken);
 }
 
 #[test]

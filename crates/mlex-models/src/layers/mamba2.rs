@@ -84,6 +84,37 @@ pub struct Mamba2 {
     dt_limit: (f32, f32),
     /// One-token steps as one CUDA kernel (the dispatch's `fused_decode`).
     fused_decode: bool,
+    /// Under --tp with fewer groups than ranks: the ranks this one shares
+    /// its group with.
+    group_share: Option<GroupShare>,
+}
+
+/// A B/C group held by `copies` consecutive ranks (each with its part of
+/// the group's heads): the gated norm's mean square is summed over them.
+struct GroupShare {
+    shard: mlex_core::distributed::Shard,
+    copies: usize,
+}
+
+impl GroupShare {
+    /// RMS-normalizes `y` (`[..., width]`, this rank's part of one group)
+    /// over the whole group: each rank's sum of squares goes to its group's
+    /// slot of a vector summed over all ranks.
+    fn rms_norm(&self, y: &Array, eps: f32) -> Result<Array> {
+        let groups = (self.shard.size() / self.copies) as i32;
+        let mine = (self.shard.rank() / self.copies) as i32;
+        let yf = y.as_dtype(mlx_rs::Dtype::Float32)?;
+        let squares = ops::square(&yf)?.sum_axis(-1, true)?;
+        let slot: Vec<f32> = (0..groups).map(|g| f32::from(g == mine)).collect();
+        let slot = Array::from_slice(&slot, &[groups]);
+        let slots = ops::multiply(&squares, &slot)?;
+        // Back out of the slots: the others' are multiplied by zero.
+        let total = ops::multiply(&self.shard.all_sum(&slots)?, &slot)?.sum_axis(-1, true)?;
+        let width = (y.shape()[y.ndim() - 1] as usize * self.copies) as f32;
+        let mean = ops::divide(&total, Array::from_f32(width))?;
+        let scale = ops::rsqrt(&ops::add(&mean, Array::from_f32(eps))?)?;
+        Ok(ops::multiply(&yf, &scale)?.as_dtype(y.dtype())?)
+    }
 }
 
 mlex_core::register_mixer_kind! {
@@ -112,22 +143,31 @@ impl Mamba2 {
             ));
         }
         // Under --tp each rank keeps whole B/C groups and their heads, so
-        // the grouped norm stays local.
-        let (heads, groups) = match ctx.weights.shard() {
-            None => (heads, groups),
+        // the grouped norm stays local. With fewer groups than ranks,
+        // `group_copies` consecutive ranks share a group (its B/C rows) and
+        // its norm sums its squares over them (`GroupShare`).
+        let (heads, groups, group_copies) = match ctx.weights.shard() {
+            None => (heads, groups, 1),
             Some(shard) => {
                 let n = shard.size() as i32;
-                if groups % n != 0 {
+                if groups % n == 0 {
+                    (heads / n, groups / n, 1)
+                } else if n % groups == 0 && heads % n == 0 {
+                    (heads / n, 1, (n / groups) as usize)
+                } else {
                     return Err(Error::Other(format!(
                         "--tp {n}: mamba2 of layer {} ({}) cannot be split: {groups} B/C groups \
-                         (n_groups) do not split into {n} equal parts (the gated norm is \
-                         grouped by them)",
+                         (n_groups) neither split into {n} equal parts nor divide {n} ranks \
+                         with {heads} heads (mamba_num_heads)",
                         ctx.index, ctx.prefix
                     )));
                 }
-                (heads / n, groups / n)
             }
         };
+        let group_share = (group_copies > 1).then(|| GroupShare {
+            shard: ctx.weights.shard().cloned().expect("split"),
+            copies: group_copies,
+        });
         let eps = o.norm_eps as f32;
         let inner = heads * head_dim;
         let conv_dim = inner + 2 * groups * state_dim;
@@ -143,7 +183,9 @@ impl Mamba2 {
         // x | B | C: each segment splits by heads or groups.
         let ld = &mut *ctx.weights;
         let in_proj = ld.with_split(Split::Output, |ld| {
-            ld.with_segments(&m("in_proj"), &[inner, inner, gn, gn, heads], |ld| {
+            let c = group_copies;
+            let segments = [(inner, 1), (inner, 1), (gn, c), (gn, c), (heads, 1)];
+            ld.with_shared_segments(&m("in_proj"), &segments, |ld| {
                 Linear::load(
                     ld,
                     &m("in_proj"),
@@ -154,7 +196,9 @@ impl Mamba2 {
             })
         })?;
         let (conv, dt_bias, a_log, d, gate_norm) = ld.with_split(Split::Leading, |ld| {
-            let conv = ld.with_segments(&m("conv1d"), &[inner, gn, gn], |ld| {
+            let c = group_copies;
+            let segments = [(inner, 1), (gn, c), (gn, c)];
+            let conv = ld.with_shared_segments(&m("conv1d"), &segments, |ld| {
                 DepthwiseConv::load(ld, &m("conv1d"), conv_dim, kernel, o.use_conv_bias)
             })?;
             Ok((
@@ -184,6 +228,7 @@ impl Mamba2 {
             kernel,
             dt_limit,
             fused_decode: ctx.weights.dispatch().fused_decode,
+            group_share,
         })
     }
 }
@@ -336,9 +381,14 @@ impl Mamba2 {
         let y = ops::reshape(&y, &[bsz, len, inner])?;
         // Gated, grouped RMS norm (MambaRMSNormGated).
         let y = swiglu(gate, &y)?;
-        let grouped = ops::unflatten(&y, -1, &[-1, inner / self.groups])?;
-        let normed = fast::rms_norm(&grouped, None, self.eps)?;
-        let normed = ops::multiply(p.get(self.gate_norm)?, normed.flatten(-2, -1)?)?;
+        let normed = match &self.group_share {
+            Some(share) => share.rms_norm(&y, self.eps)?,
+            None => {
+                let grouped = ops::unflatten(&y, -1, &[-1, inner / self.groups])?;
+                fast::rms_norm(&grouped, None, self.eps)?.flatten(-2, -1)?
+            }
+        };
+        let normed = ops::multiply(p.get(self.gate_norm)?, normed)?;
         self.out_proj.forward(p, &normed)
     }
 }

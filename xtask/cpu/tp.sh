@@ -24,7 +24,7 @@ for s in "${shapes[@]}"; do
     for tp in 1 2; do
       j=$("$mlex" bench --model "$out/models/$s-$scale" --prompt-len "$prompt" --gen "$gen" \
         --format json --tp "$tp" 2>/dev/null | tail -1)
-      python3 -c 'import json,sys; d=json.loads(sys.argv[4]); print(json.dumps({"shape":sys.argv[1],"round":int(sys.argv[2]),"tp":int(sys.argv[3]),"prefill_tok_s":d["prefill_tok_s"],"decode_tok_s":d["decode_tok_s"],"mlx_peak_bytes":d["peak_memory_bytes"],"weight_bytes":d["weight_bytes"],"rss_peak_bytes":d["memory"]["rss_peak_bytes"],"load_read_bytes":d.get("load_read_bytes")}))' \
+      python3 -c 'import json,sys; d=json.loads(sys.argv[4]); print(json.dumps({"shape":sys.argv[1],"round":int(sys.argv[2]),"tp":int(sys.argv[3]),"prefill_tok_s":d["prefill_tok_s"],"decode_tok_s":d["decode_tok_s"],"mlx_peak_bytes":d["peak_memory_bytes"],"weight_bytes":d["weight_bytes"],"rss_peak_bytes":d["memory"]["rss_peak_bytes"],"load_read_bytes":d.get("load_read_bytes"),"collective":d.get("collective")}))' \
         "$s" "$r" "$tp" "$j" | tee -a "$out/tp.jsonl"
     done
   done

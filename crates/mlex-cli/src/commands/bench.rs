@@ -141,6 +141,10 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         // This rank's weights (all of them on one device).
         "weight_bytes": g.model.params.nbytes(),
         "load_read_bytes": load_read,
+        "collective": match &g.model.dispatch.tensor_parallel {
+            Some(shard) => collective_cost(shard, g.model.embed.dim, g.model.dtype)?,
+            None => serde_json::Value::Null,
+        },
         "speculative": r.speculative.as_ref().map(super::generate::speculative_json),
     });
     if a.format == Format::Json {
@@ -508,4 +512,33 @@ fn run_shared_prefix(
         println!("{out}");
     }
     Ok(())
+}
+
+/// What one collective of a decode step costs on this group: the median
+/// wall time of an evaluated `all_sum` of one token's hidden state (the
+/// products' join, two a layer) and of an `all_gather` of the same, over
+/// 50 calls after 5 to warm up.
+fn collective_cost(
+    shard: &mlex_core::distributed::Shard,
+    hidden: i32,
+    dtype: mlx_rs::Dtype,
+) -> Result<serde_json::Value> {
+    let x = mlx_rs::Array::ones::<f32>(&[1, hidden])?.as_dtype(dtype)?;
+    let median_us = |f: &dyn Fn() -> Result<mlx_rs::Array>| -> Result<f64> {
+        let mut t = Vec::with_capacity(50);
+        for i in 0..55 {
+            let start = std::time::Instant::now();
+            f()?.eval()?;
+            if i >= 5 {
+                t.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        t.sort_by(f64::total_cmp);
+        Ok(t[t.len() / 2])
+    };
+    Ok(json!({
+        "hidden": hidden,
+        "all_sum_us": median_us(&|| shard.all_sum(&x))?,
+        "all_gather_us": median_us(&|| shard.all_gather(&x))?,
+    }))
 }

@@ -43,6 +43,23 @@ const SIGINT: i32 = 2;
 const IDLE: u8 = 0;
 const GENERATING: u8 = 1;
 const SERVING: u8 = 2;
+/// The launcher of `--tp` ranks: the first signal goes on to rank 0.
+const LAUNCHING: u8 = 3;
+/// A serving rank other than 0: rank 0 decides when it ends.
+const FOLLOWING: u8 = 4;
+
+/// The signal the launcher of `--tp` ranks sends rank 0 for one it took:
+/// an interrupt (SIGINT's meaning) that never counts as a second one, since
+/// a terminal's Ctrl-C reaches rank 0 itself too.
+#[cfg(unix)]
+pub const FROM_LAUNCHER: i32 = libc::SIGUSR1;
+#[cfg(not(unix))]
+pub const FROM_LAUNCHER: i32 = 10;
+
+/// Passes a signal on to the ranks (`earlier`: signals the launcher took
+/// before this one).
+type Forward = Box<dyn Fn(i32, usize) + Send>;
+static FORWARD: Mutex<Option<Forward>> = Mutex::new(None);
 
 /// Takes SIGINT and SIGTERM away from the default actions; call first in
 /// `main`, before any thread starts (later calls do nothing).
@@ -56,9 +73,30 @@ pub fn install() {
 
 /// What a signal does now: called on the signal thread.
 fn on_signal(sig: i32) {
+    let phase = PHASE.load(Ordering::SeqCst);
+    if phase == FOLLOWING {
+        return;
+    }
+    let sig = if sig == FROM_LAUNCHER {
+        if COUNT.load(Ordering::SeqCst) > 0 {
+            // The same interrupt, already taken from the terminal.
+            return;
+        }
+        SIGINT
+    } else {
+        sig
+    };
     let earlier = COUNT.fetch_add(1, Ordering::SeqCst);
     let code = 128 + sig;
-    match PHASE.load(Ordering::SeqCst) {
+    match phase {
+        LAUNCHING => {
+            if let Some(f) = FORWARD.lock().ok().as_ref().and_then(|h| h.as_ref()) {
+                f(sig, earlier);
+            }
+            if earlier > 0 {
+                exit_now(code);
+            }
+        }
         GENERATING if earlier == 0 && sig == SIGINT => {}
         SERVING if earlier == 0 => {
             let drained = STOP
@@ -121,6 +159,32 @@ pub fn serving<T>(stop: impl Fn() -> bool + Send + 'static, serve: impl FnOnce()
     out
 }
 
+/// Runs `launch` (the launcher of `--tp` ranks) with each signal handed to
+/// `forward` (which sends rank 0 [`FROM_LAUNCHER`] the first time and
+/// stops every rank after); a second signal then exits the launcher.
+pub fn launching<T>(
+    forward: impl Fn(i32, usize) + Send + 'static,
+    launch: impl FnOnce() -> T,
+) -> T {
+    if let Ok(mut h) = FORWARD.lock() {
+        *h = Some(Box::new(forward));
+    }
+    PHASE.store(LAUNCHING, Ordering::SeqCst);
+    let out = launch();
+    PHASE.store(IDLE, Ordering::SeqCst);
+    out
+}
+
+/// Runs `follow` (a serving rank other than 0) with signals ignored: rank
+/// 0 drains the requests in flight and then ends this rank too; should
+/// rank 0 go away, this rank's next collective fails and it exits.
+pub fn following<T>(follow: impl FnOnce() -> T) -> T {
+    PHASE.store(FOLLOWING, Ordering::SeqCst);
+    let out = follow();
+    PHASE.store(IDLE, Ordering::SeqCst);
+    out
+}
+
 #[cfg(unix)]
 mod unix {
     use std::mem::MaybeUninit;
@@ -136,6 +200,7 @@ mod unix {
             libc::sigemptyset(set.as_mut_ptr());
             libc::sigaddset(set.as_mut_ptr(), libc::SIGINT);
             libc::sigaddset(set.as_mut_ptr(), libc::SIGTERM);
+            libc::sigaddset(set.as_mut_ptr(), super::FROM_LAUNCHER);
             set.assume_init()
         }
     }
@@ -186,7 +251,7 @@ mod unix {
             unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) };
             return;
         }
-        for sig in [libc::SIGINT, libc::SIGTERM] {
+        for sig in [libc::SIGINT, libc::SIGTERM, super::FROM_LAUNCHER] {
             // SAFETY: installs an async-signal-safe handler; replaces an
             // inherited SIG_IGN too, which is the point.
             unsafe {

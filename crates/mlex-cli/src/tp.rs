@@ -200,7 +200,11 @@ pub fn launch(n: u32) -> Result<()> {
                 .map_err(|e| Error::Other(format!("--tp {n}: cannot start rank {rank}: {e}")))?;
             children.push(child);
         }
-        supervise(n, children)
+        // A signal to the launcher goes on to rank 0 (which stops or
+        // drains, and the others with it); a second stops every rank.
+        let pids: Vec<u32> = children.iter().map(Child::id).collect();
+        let forward = move |_sig: i32, earlier: usize| forward_signal(&pids, earlier);
+        crate::interrupt::launching(forward, || supervise(n, children))
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
@@ -291,6 +295,24 @@ fn scratch_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// The launcher's signal handling: rank 0 hears of the first signal, every
+/// rank is killed on a second.
+#[cfg(unix)]
+fn forward_signal(pids: &[u32], earlier: usize) {
+    for (rank, &pid) in pids.iter().enumerate() {
+        let sig = match (earlier, rank) {
+            (0, 0) => crate::interrupt::FROM_LAUNCHER,
+            (0, _) => continue,
+            _ => libc::SIGKILL,
+        };
+        // SAFETY: sends a signal to a child this process started.
+        unsafe { libc::kill(pid as libc::pid_t, sig) };
+    }
+}
+
+#[cfg(not(unix))]
+fn forward_signal(_pids: &[u32], _earlier: usize) {}
+
 #[cfg(target_os = "linux")]
 fn die_with_parent(cmd: &mut Command) {
     use std::os::unix::process::CommandExt;
@@ -330,6 +352,9 @@ fn supervise(n: u32, mut children: Vec<Child>) -> Result<()> {
             }
         }
         if done.iter().all(Option::is_some) {
+            // Every rank ended well (a server drained after a signal):
+            // the launcher's status is theirs.
+            crate::interrupt::reset();
             return Ok(());
         }
         // Polling, not blocking on one child: whichever rank fails first

@@ -480,4 +480,55 @@ fn a_server_under_three_ranks_answers_as_one_device() {
     let (code, v) = post(&s, "/v1/chat/completions", None, &requests[0]);
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["choices"][0], one[0]["choices"][0]);
+
+    // SIGTERM to the launcher while a request streams: rank 0 drains it
+    // (the others follow to the end), every rank exits, the launcher 0.
+    let mut s = s;
+    let ranks = children_of(s.child.id());
+    assert_eq!(ranks.len(), 3, "{ranks:?}");
+    let mut r = stream(
+        &s,
+        "/v1/chat/completions",
+        None,
+        &json!({"messages": question(), "max_tokens": 24, "stream": true}),
+    );
+    let mut head = String::new();
+    while !head.starts_with("data:") {
+        head.clear();
+        r.read_line(&mut head).unwrap();
+    }
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    let evs = events(r);
+    assert!(
+        evs.iter()
+            .any(|e| e["choices"][0]["finish_reason"].is_string()),
+        "{evs:?}"
+    );
+    assert_eq!(s.child.wait().unwrap().code(), Some(0));
+    for pid in ranks {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "rank process {pid} outlived the launcher"
+        );
+    }
+}
+
+/// The processes whose parent is `pid` (Linux `/proc`).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid ...`: the fields after the last ')'.
+        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        if after.split_whitespace().nth(1) == Some(&pid.to_string()) {
+            out.push(child);
+        }
+    }
+    out
 }

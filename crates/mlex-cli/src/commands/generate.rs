@@ -61,7 +61,8 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         .as_ref()
         .map(|t| TextStream::new(t, a.sampling.stop.clone()));
     let mut stdout = std::io::stdout().lock();
-    let mut on_token = |t: u32| -> Result<Flow> {
+    let shard = generator.model.dispatch.tensor_parallel.clone();
+    let mut decide = |t: u32| -> Result<Flow> {
         if crate::interrupt::requested() {
             return Ok(Flow::Stop);
         }
@@ -78,6 +79,16 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         } else {
             Flow::Continue
         })
+    };
+    // Under --tp every rank stops at the same token (an interrupt reaches
+    // the ranks at different moments).
+    let mut on_token = |t: u32| -> Result<Flow> {
+        let flow = decide(t)?;
+        match &shard {
+            Some(s) if s.any(flow == Flow::Stop)? => Ok(Flow::Stop),
+            Some(_) => Ok(Flow::Continue),
+            None => Ok(flow),
+        }
     };
     let (g, interrupted) =
         crate::interrupt::generating(|| generator.generate(&prompt, &opts, &mut on_token));

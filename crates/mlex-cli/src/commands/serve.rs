@@ -55,7 +55,10 @@ pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
     });
     if crate::tp::follower() {
         // A rank other than 0 of --tp: no HTTP, the engine in lockstep.
-        return mlex_server::follow(load()?, cfg.batch, cfg.prompt_cache_bytes);
+        let loaded = load()?;
+        return crate::interrupt::following(|| {
+            mlex_server::follow(loaded, cfg.batch, cfg.prompt_cache_bytes)
+        });
     }
     let stop = mlex_server::Shutdown::default();
     let on_signal = stop.clone();

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What a constrained request's output must match.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Grammar {
     /// A JSON schema (`response_format: json_schema`, or `{"type":
     /// "object"}` for `json_object`).

@@ -268,12 +268,6 @@ pub fn run(
                         }
                     };
                     let mut opts = job.opts;
-                    if let (Some((_, field)), Some(_)) = (&job.grammar, &shard) {
-                        let _ = job.events.send(Event::Rejected(format!(
-                            "`{field}`: a grammar is not followed under --tp yet"
-                        )));
-                        continue;
-                    }
                     if let Some((g, field)) = &job.grammar {
                         if grammars.is_none() {
                             match Grammars::new(tok, vocab) {
@@ -303,8 +297,9 @@ pub fn run(
                     // from the prompt cache, hybrids included.
                     opts.use_prompt_cache = true;
                     if shard.is_some() {
+                        let grammar = job.grammar.as_ref().map(|(g, _)| g);
                         plan.admit
-                            .push(crate::replicas::Admission::of(&ids, &mut opts));
+                            .push(crate::replicas::Admission::of(&ids, &mut opts, grammar));
                     }
                     let id = engine.submit(ids, opts);
                     running.insert(

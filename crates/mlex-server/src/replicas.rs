@@ -10,7 +10,9 @@
 
 use mlex_core::distributed::Shard;
 use mlex_core::error::{Error, Result};
-use mlex_generate::{BatchGenerator, Flow, GenerateOptions, SamplerConfig, SeqId};
+use mlex_generate::{
+    BatchGenerator, Flow, GenerateOptions, Grammar, Grammars, SamplerConfig, SeqId,
+};
 use serde::{Deserialize, Serialize};
 
 /// What rank 0 did to the engine's queue before one step.
@@ -33,12 +35,15 @@ pub(crate) struct Admission {
     stop_ids: Vec<u32>,
     use_prompt_cache: bool,
     logprobs: Option<usize>,
+    /// The grammar rank 0 compiled for it; each rank compiles its own
+    /// (the same mask, so the same tokens).
+    grammar: Option<Grammar>,
 }
 
 impl Admission {
     /// The request `opts` on `ids`, its sampling seed fixed first when it
     /// has none (each rank would draw its own).
-    pub fn of(ids: &[u32], opts: &mut GenerateOptions) -> Admission {
+    pub fn of(ids: &[u32], opts: &mut GenerateOptions, grammar: Option<&Grammar>) -> Admission {
         if opts.sampler.seed.is_none() {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -52,10 +57,11 @@ impl Admission {
             stop_ids: opts.stop_ids.iter().copied().collect(),
             use_prompt_cache: opts.use_prompt_cache,
             logprobs: opts.logprobs,
+            grammar: grammar.cloned(),
         }
     }
 
-    fn options(self) -> (Vec<u32>, GenerateOptions) {
+    fn options(self) -> (Vec<u32>, GenerateOptions, Option<Grammar>) {
         let opts = GenerateOptions {
             max_tokens: self.max_tokens,
             sampler: self.sampler,
@@ -64,7 +70,7 @@ impl Admission {
             constraint: None,
             logprobs: self.logprobs,
         };
-        (self.ids, opts)
+        (self.ids, opts, self.grammar)
     }
 }
 
@@ -103,8 +109,10 @@ pub fn follow(loaded: crate::Loaded, batch: usize, prompt_cache_bytes: usize) ->
     let crate::Loaded {
         mut generator,
         speculation,
-        ..
+        tokenizer,
     } = loaded;
+    let vocab = generator.model.vocab_size() as usize;
+    let mut grammars: Option<Grammars> = None;
     generator.prompt_cache = mlex_generate::PromptCache::new(64, prompt_cache_bytes);
     let shard = generator
         .model
@@ -122,7 +130,16 @@ pub fn follow(loaded: crate::Loaded, batch: usize, prompt_cache_bytes: usize) ->
             return Ok(());
         }
         for a in plan.admit {
-            let (ids, opts) = a.options();
+            let (ids, mut opts, grammar) = a.options();
+            if let Some(g) = grammar {
+                if grammars.is_none() {
+                    grammars = Some(Grammars::new(&tokenizer, vocab)?);
+                }
+                let compiled = grammars.as_ref().expect("made above").compile(&g);
+                opts.constraint = Some(compiled.map_err(|e| {
+                    Error::Other(format!("--tp: a grammar rank 0 compiled failed here: {e}"))
+                })?);
+            }
             engine.submit(ids, opts);
         }
         for id in plan.cancel {

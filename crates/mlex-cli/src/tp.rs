@@ -52,6 +52,17 @@ pub fn follower() -> bool {
     std::env::var("MLX_RANK").is_ok_and(|r| r.trim() != "0")
 }
 
+/// `flow` as every rank of `shard` will take it: a stop on any rank stops
+/// them all at this token (one device: `flow` itself).
+pub fn agreed(shard: Option<&Shard>, flow: mlex_generate::Flow) -> Result<mlex_generate::Flow> {
+    use mlex_generate::Flow;
+    match shard {
+        Some(s) if s.any(flow == Flow::Stop)? => Ok(Flow::Stop),
+        Some(_) => Ok(Flow::Continue),
+        None => Ok(flow),
+    }
+}
+
 /// The collective backend of this process's default device.
 pub fn backend() -> CollectiveBackend {
     if mlex_core::device::default_is_cuda_gpu() {

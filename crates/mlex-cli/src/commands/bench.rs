@@ -141,10 +141,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         // This rank's weights (all of them on one device).
         "weight_bytes": g.model.params.nbytes(),
         "load_read_bytes": load_read,
-        "collective": match &g.model.dispatch.tensor_parallel {
-            Some(shard) => collective_cost(shard, g.model.embed.dim, g.model.dtype)?,
-            None => serde_json::Value::Null,
-        },
+        "collective": collective_cost(&g.model)?,
         "speculative": r.speculative.as_ref().map(super::generate::speculative_json),
     });
     if a.format == Format::Json {
@@ -514,15 +511,16 @@ fn run_shared_prefix(
     Ok(())
 }
 
-/// What one collective of a decode step costs on this group: the median
+/// What one collective of a decode step costs on `model`'s group (none on
+/// one device): the median
 /// wall time of an evaluated `all_sum` of one token's hidden state (the
 /// products' join, two a layer) and of an `all_gather` of the same, over
 /// 50 calls after 5 to warm up.
-fn collective_cost(
-    shard: &mlex_core::distributed::Shard,
-    hidden: i32,
-    dtype: mlx_rs::Dtype,
-) -> Result<serde_json::Value> {
+fn collective_cost(model: &mlex_core::model::Model) -> Result<serde_json::Value> {
+    let Some(shard) = &model.dispatch.tensor_parallel else {
+        return Ok(serde_json::Value::Null);
+    };
+    let (hidden, dtype) = (model.embed.dim, model.dtype);
     let x = mlx_rs::Array::ones::<f32>(&[1, hidden])?.as_dtype(dtype)?;
     let median_us = |f: &dyn Fn() -> Result<mlx_rs::Array>| -> Result<f64> {
         let mut t = Vec::with_capacity(50);

@@ -15,33 +15,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
         (Some(_), t) => t.ok(),
         (None, t) => Some(t?),
     };
-    let prompt: Vec<u32> = match (&a.prompt_ids, &a.prompt) {
-        (Some(ids), _) => ids.clone(),
-        (None, Some(p)) => {
-            let text = if p == "-" {
-                let mut s = String::new();
-                std::io::stdin()
-                    .read_to_string(&mut s)
-                    .map_err(|e| Error::io("<stdin>", e))?;
-                s
-            } else {
-                p.clone()
-            };
-            let tok = tokenizer.as_ref().expect("loaded above");
-            let mut messages = Vec::new();
-            if let Some(s) = &a.system {
-                messages.push(Message::new("system", s));
-            }
-            messages.push(Message::new("user", &text));
-            tok.chat_ids(&messages, !a.no_chat_template)?
-        }
-        (None, None) => {
-            return Err(Error::invalid(
-                "--prompt",
-                "give --prompt TEXT or --prompt-ids 1,2,3",
-            ))
-        }
-    };
+    let prompt = prompt_ids(&a, tokenizer.as_ref())?;
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
     let loaded_fingerprint = loaded.fingerprint.clone();
     let mut generator = crate::session::generator(loaded.model, &a.model);
@@ -82,14 +56,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     };
     // Under --tp every rank stops at the same token (an interrupt reaches
     // the ranks at different moments).
-    let mut on_token = |t: u32| -> Result<Flow> {
-        let flow = decide(t)?;
-        match &shard {
-            Some(s) if s.any(flow == Flow::Stop)? => Ok(Flow::Stop),
-            Some(_) => Ok(Flow::Continue),
-            None => Ok(flow),
-        }
-    };
+    let mut on_token = |t: u32| crate::tp::agreed(shard.as_ref(), decide(t)?);
     let (g, interrupted) =
         crate::interrupt::generating(|| generator.generate(&prompt, &opts, &mut on_token));
     let g = g?;
@@ -186,4 +153,36 @@ fn summary(g: &mlex_generate::Generation, compiled: bool) -> String {
         ));
     }
     line
+}
+
+/// The prompt's token ids: `--prompt-ids`, or `--prompt` (`-`: stdin)
+/// through the chat template.
+fn prompt_ids(a: &GenerateArgs, tokenizer: Option<&mlex_generate::Tokenizer>) -> Result<Vec<u32>> {
+    Ok(match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => ids.clone(),
+        (None, Some(p)) => {
+            let text = if p == "-" {
+                let mut s = String::new();
+                std::io::stdin()
+                    .read_to_string(&mut s)
+                    .map_err(|e| Error::io("<stdin>", e))?;
+                s
+            } else {
+                p.clone()
+            };
+            let tok = tokenizer.expect("loaded above");
+            let mut messages = Vec::new();
+            if let Some(s) = &a.system {
+                messages.push(Message::new("system", s));
+            }
+            messages.push(Message::new("user", &text));
+            tok.chat_ids(&messages, !a.no_chat_template)?
+        }
+        (None, None) => {
+            return Err(Error::invalid(
+                "--prompt",
+                "give --prompt TEXT or --prompt-ids 1,2,3",
+            ))
+        }
+    })
 }

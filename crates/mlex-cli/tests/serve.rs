@@ -222,11 +222,7 @@ fn a_full_queue_answers_503_a_gone_client_frees_its_slot_and_sigterm_finishes_in
                       "logit_bias": {"2": -100.0}});
     // The only slot is taken once the first token arrives.
     let mut first = stream(&s, "/v1/chat/completions", None, &long);
-    let mut line = String::new();
-    while !line.starts_with("data:") {
-        line.clear();
-        first.read_line(&mut line).unwrap();
-    }
+    wait_for_data(&mut first);
     let (code, v) = post(
         &s,
         "/v1/chat/completions",
@@ -254,20 +250,10 @@ fn a_full_queue_answers_503_a_gone_client_frees_its_slot_and_sigterm_finishes_in
 
     // SIGTERM while a request streams: it still completes, then exit 0.
     let mut s = s;
-    let mut r = stream(
+    let evs = sigterm_while_streaming(
         &s,
-        "/v1/chat/completions",
-        None,
         &json!({"messages": question(), "max_tokens": 40, "stream": true}),
     );
-    let mut head = String::new();
-    while !head.starts_with("data:") {
-        head.clear();
-        r.read_line(&mut head).unwrap();
-    }
-    // SAFETY: signalling our own child process.
-    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
-    let evs = events(r);
     assert!(evs
         .iter()
         .any(|e| e["choices"][0]["finish_reason"].is_string()));
@@ -284,11 +270,7 @@ fn concurrent_requests_decode_together() {
         .map(|_| stream(&s, "/v1/chat/completions", None, &body))
         .collect();
     for r in &mut open {
-        let mut line = String::new();
-        while !line.starts_with("data:") {
-            line.clear();
-            r.read_line(&mut line).unwrap();
-        }
+        wait_for_data(r);
     }
     // All three are in the one batch, none waits.
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -482,20 +464,10 @@ fn a_server_under_three_ranks_answers_as_one_device() {
     let mut s = s;
     let ranks = children_of(s.child.id());
     assert_eq!(ranks.len(), 3, "{ranks:?}");
-    let mut r = stream(
+    let evs = sigterm_while_streaming(
         &s,
-        "/v1/chat/completions",
-        None,
         &json!({"messages": question(), "max_tokens": 24, "stream": true}),
     );
-    let mut head = String::new();
-    while !head.starts_with("data:") {
-        head.clear();
-        r.read_line(&mut head).unwrap();
-    }
-    // SAFETY: signalling our own child process.
-    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
-    let evs = events(r);
     assert!(
         evs.iter()
             .any(|e| e["choices"][0]["finish_reason"].is_string()),

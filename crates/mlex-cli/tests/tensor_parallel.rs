@@ -214,8 +214,9 @@ fn quantizing_a_split_model_equals_one_device_or_names_the_tensor() {
     );
 }
 
-/// `bench --format json` of `f` on `tp` ranks (rank 0's report).
-fn bench(f: &Fixture, tp: u32) -> Value {
+/// `bench --format json` of `f` on `tp` ranks with `extra` (rank 0's
+/// report).
+fn bench(f: &Fixture, tp: u32, extra: &[&str]) -> Value {
     let out = mlex(f)
         .args([
             "bench",
@@ -229,6 +230,7 @@ fn bench(f: &Fixture, tp: u32) -> Value {
         ])
         .arg(model_path(f))
         .args(["--tp", &tp.to_string()])
+        .args(extra)
         .assert()
         .success()
         .get_output()
@@ -244,8 +246,8 @@ fn each_rank_holds_its_part_of_the_split_weights() {
     // a rank), the layers by heads; what stays whole on every rank is the
     // norms and the per-head q/k norms, a few kB.
     let f = fixture("qwen3_5-f32");
-    let one = bench(&f, 1);
-    let two = bench(&f, 2);
+    let one = bench(&f, 1, &[]);
+    let two = bench(&f, 2, &[]);
     assert_eq!(two["dispatch"]["tensor_parallel"]["size"], 2);
     assert_eq!(two["dispatch"]["tensor_parallel"]["backend"], "ring");
     assert!(one["dispatch"]["tensor_parallel"].is_null());
@@ -417,18 +419,7 @@ fn perplexity_and_batched_bench_under_ranks_equal_one_device() {
     let (one, three) = (ppl(1), ppl(3));
     assert!((three - one).abs() <= 1e-5 * one, "{three} vs {one}");
     // A batched bench runs split, with rank 0's report.
-    let out = mlex(&fixture("qwen3_5-f32"))
-        .args(["bench", "--batch", "3", "--prompt-len", "8", "--gen", "4"])
-        .args(["--format", "json", "--tp", "2", "--model"])
-        .arg(path_of(&fixture("qwen3_5-f32")))
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let text = String::from_utf8_lossy(&out);
-    let v: Value =
-        serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap();
+    let v = bench(&fixture("qwen3_5-f32"), 2, &["--batch", "3"]);
     assert_eq!(v["dispatch"]["tensor_parallel"]["size"], 2, "{v}");
 }
 

@@ -120,30 +120,28 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
         print_kv_form(&g.model);
         println!("peak memory    {:.3} GB", peak as f64 / 1e9);
     }
-    let out = json!({
-        "model": a.model.model,
-        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
-        "arch": arch,
-        "device": info.default_device,
-        "backend": info.backend.to_string(),
-        "dispatch": g.model.dispatch.to_json(),
-        "compiled": g.is_compiled(),
-        "prompt_tokens": r.prompt_tokens,
-        "generated_tokens": r.tokens.len(),
-        "prefill_tok_s": r.prefill_tok_s(),
-        "decode_tok_s": r.decode_tok_s(),
-        "ttft_s": r.prefill_s,
-        "peak_memory_bytes": peak,
-        "kv_quantization": g.model.kv_quantization.map(|q| json!({
-            "bits": q.bits, "group_size": q.group_size, "start": q.start,
-        })),
-        "max_kv_size": g.model.max_kv_size,
-        // This rank's weights (all of them on one device).
-        "weight_bytes": g.model.params.nbytes(),
-        "load_read_bytes": load_read,
-        "collective": collective_cost(&g.model)?,
-        "speculative": r.speculative.as_ref().map(super::generate::speculative_json),
-    });
+    let out = report(
+        &a,
+        &arch,
+        &g,
+        json!({
+            "prompt_tokens": r.prompt_tokens,
+            "generated_tokens": r.tokens.len(),
+            "prefill_tok_s": r.prefill_tok_s(),
+            "decode_tok_s": r.decode_tok_s(),
+            "ttft_s": r.prefill_s,
+            "peak_memory_bytes": peak,
+            "kv_quantization": g.model.kv_quantization.map(|q| json!({
+                "bits": q.bits, "group_size": q.group_size, "start": q.start,
+            })),
+            "max_kv_size": g.model.max_kv_size,
+            // This rank's weights (all of them on one device).
+            "weight_bytes": g.model.params.nbytes(),
+            "load_read_bytes": load_read,
+            "collective": collective_cost(&g.model)?,
+            "speculative": r.speculative.as_ref().map(super::generate::speculative_json),
+        }),
+    )?;
     if a.format == Format::Json {
         println!("{out}");
     }
@@ -539,4 +537,29 @@ fn collective_cost(model: &mlex_core::model::Model) -> Result<serde_json::Value>
         "all_sum_us": median_us(&|| shard.all_sum(&x))?,
         "all_gather_us": median_us(&|| shard.all_gather(&x))?,
     }))
+}
+
+/// A run's report for `bench --format json`: what ran where (model,
+/// memory now, architecture, device, backend, dispatch, compiled), then
+/// `fields`.
+pub(super) fn report(
+    a: &BenchArgs,
+    arch: &str,
+    g: &Generator,
+    fields: serde_json::Value,
+) -> Result<serde_json::Value> {
+    let info = mlex_core::device::runtime_info()?;
+    let mut out = json!({
+        "model": a.model.model,
+        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
+        "arch": arch,
+        "device": info.default_device,
+        "backend": info.backend.to_string(),
+        "dispatch": g.model.dispatch.to_json(),
+        "compiled": g.is_compiled(),
+    });
+    if let (Some(out), serde_json::Value::Object(fields)) = (out.as_object_mut(), fields) {
+        out.extend(fields);
+    }
+    Ok(out)
 }

@@ -198,3 +198,22 @@ pub fn python(script: &str, args: &[&str]) -> String {
     assert!(out.status.success(), "{script} failed:\n{text}");
     text
 }
+
+/// Reads `r` up to its first `data:` line (the stream has begun).
+pub fn wait_for_data(r: &mut impl BufRead) {
+    let mut line = String::new();
+    while !line.starts_with("data:") {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+    }
+}
+
+/// Streams `body` from `s`, sends the server SIGTERM once the stream has
+/// begun, and returns the stream's events to its end.
+pub fn sigterm_while_streaming(s: &Server, body: &Value) -> Vec<Value> {
+    let mut r = stream(s, "/v1/chat/completions", None, body);
+    wait_for_data(&mut r);
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    events(r)
+}

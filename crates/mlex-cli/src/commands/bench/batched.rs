@@ -158,46 +158,43 @@ pub(super) fn run_batch(
     let r = best.expect("at least one run");
     let decode_s = (r.wall_s - r.prefill_s).max(1e-9);
     let decoded = r.generated.saturating_sub(n);
-    let info = mlex_core::device::runtime_info()?;
-    let out = json!({
-        "model": a.model.model,
-        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
-        "arch": arch,
-        "device": info.default_device,
-        "backend": info.backend.to_string(),
-        "dispatch": g.model.dispatch.to_json(),
-        "compiled": g.is_compiled(),
-        "batch": n,
-        "prompt_tokens": r.prompt_tokens,
-        "generated_tokens": r.generated,
-        "seconds": r.wall_s,
-        "agg_tok_s": r.generated as f64 / r.wall_s.max(1e-9),
-        "prefill_tok_s": r.prompt_tokens as f64 / r.prefill_s.max(1e-9),
-        "decode_tok_s": decoded as f64 / decode_s,
-        // Where a decode step's time goes: the rest of it is the host's
-        // (graph building, bookkeeping) while the device runs ahead.
-        "decode_steps": r.steps,
-        "device_wait_s": r.wait_s,
-        "peak_memory_bytes": r.peak,
-        // With --json-schema: the host time grammar masks took.
-        "grammar": a.json_schema.as_ref().map(|p| json!({
-            "schema": p, "masks": r.masks, "mask_s": r.mask_s,
-            "mask_ms_per_token": 1e3 * r.mask_s / (r.masks.max(1) as f64),
-        })),
-        // With a drafter: plain and speculative batches alternating.
-        "speculative": last_spec.as_ref().map(|s| json!({
-            "draft_tokens": a.speculative.draft_tokens,
-            "draft_acceptance": a.draft_acceptance,
-            "plain_agg_tok_s": spread(&plain),
-            "speculative_agg_tok_s": spread(&spec),
-            "speedup": spread(&ratios),
-            "rounds": s.drafted.0,
-            "proposed": s.drafted.1,
-            "accepted": s.drafted.2,
-            "decode_steps": s.steps,
-            "peak_memory_bytes": s.peak,
-        })),
-    });
+    let out = super::report(
+        a,
+        arch,
+        g,
+        json!({
+            "batch": n,
+            "prompt_tokens": r.prompt_tokens,
+            "generated_tokens": r.generated,
+            "seconds": r.wall_s,
+            "agg_tok_s": r.generated as f64 / r.wall_s.max(1e-9),
+            "prefill_tok_s": r.prompt_tokens as f64 / r.prefill_s.max(1e-9),
+            "decode_tok_s": decoded as f64 / decode_s,
+            // Where a decode step's time goes: the rest of it is the host's
+            // (graph building, bookkeeping) while the device runs ahead.
+            "decode_steps": r.steps,
+            "device_wait_s": r.wait_s,
+            "peak_memory_bytes": r.peak,
+            // With --json-schema: the host time grammar masks took.
+            "grammar": a.json_schema.as_ref().map(|p| json!({
+                "schema": p, "masks": r.masks, "mask_s": r.mask_s,
+                "mask_ms_per_token": 1e3 * r.mask_s / (r.masks.max(1) as f64),
+            })),
+            // With a drafter: plain and speculative batches alternating.
+            "speculative": last_spec.as_ref().map(|s| json!({
+                "draft_tokens": a.speculative.draft_tokens,
+                "draft_acceptance": a.draft_acceptance,
+                "plain_agg_tok_s": spread(&plain),
+                "speculative_agg_tok_s": spread(&spec),
+                "speedup": spread(&ratios),
+                "rounds": s.drafted.0,
+                "proposed": s.drafted.1,
+                "accepted": s.drafted.2,
+                "decode_steps": s.steps,
+                "peak_memory_bytes": s.peak,
+            })),
+        }),
+    )?;
     if a.format == Format::Json {
         println!("{out}");
     } else {

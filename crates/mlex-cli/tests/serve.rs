@@ -8,7 +8,6 @@ mod server;
 use mlex_testkit::*;
 use serde_json::{json, Value};
 use server::*;
-use std::io::BufRead;
 use std::time::{Duration, Instant};
 
 fn question() -> Value {

@@ -422,7 +422,15 @@ impl KvAccess for BatchKvCache {
         let mut visible = ops::ge(&cols, self.pad_array())?;
         if let Some(h) = &self.holes {
             let rows = self.rows() as i32;
-            let seen = ops::logical_not(h.try_index((.., ..(self.idx + n) as i32))?)?;
+            // Holes lie before `idx`; a window past the buffers' end (they
+            // grow on the write, after this mask) has none beyond them.
+            let upto = (self.idx + n).min(h.shape()[1] as usize) as i32;
+            let mut seen = ops::logical_not(h.try_index((.., ..upto))?)?;
+            let beyond = (self.idx + n) as i32 - upto;
+            if beyond > 0 {
+                let new = ops::ones_dtype(&[rows, beyond], Dtype::Bool)?;
+                seen = ops::concatenate(&[&seen, &new], 1)?;
+            }
             let seen = ops::reshape(&seen, &[rows, 1, 1, -1])?;
             visible = ops::logical_and(&visible, &seen)?;
         }

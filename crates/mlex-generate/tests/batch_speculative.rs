@@ -5,7 +5,8 @@
 //! nothing (so rows keep different counts every round and the batch KV
 //! cache holds holes), prompts of different lengths, more prompts than
 //! slots (sequences join and leave mid-batch), greedy with and without a
-//! repetition penalty (the batch-wide argmax and each row's own rule).
+//! repetition penalty (the batch-wide argmax and each row's own rule),
+//! and windows that cross the end of the batch cache's buffers.
 
 use mlex_generate::{
     BatchGenerator, BatchSpeculation, Draft, DraftRequest, Drafter, Flow, GenerateOptions,
@@ -29,11 +30,13 @@ fn opts(max_tokens: usize, penalty: f32) -> GenerateOptions {
     }
 }
 
-fn max_tokens(i: usize) -> usize {
-    9 + 4 * (i % 3)
-}
-
+/// Prompts of these lengths, prompt `i` asking for `9 + 4 * (i % 3)` tokens.
 const LENGTHS: [usize; 6] = [7, 33, 1, 20, 33, 12];
+
+/// Prompts whose windows cross 256 columns (`mlex_cache::kv::KV_STEP`, where
+/// the batch cache's buffers end and grow) after rows have kept different
+/// counts, asking for 24 tokens more.
+const LONG: [usize; 3] = [240, 236, 238];
 
 /// A drafter that never proposes.
 struct Silent;
@@ -51,13 +54,23 @@ impl Drafter for Silent {
 }
 
 fn check(name: &str, k: usize, penalty: f32) {
+    check_lengths(name, k, penalty, &LENGTHS, |i| 9 + 4 * (i % 3));
+}
+
+fn check_lengths(
+    name: &str,
+    k: usize,
+    penalty: f32,
+    lengths: &[usize],
+    max_tokens: fn(usize) -> usize,
+) {
     let f = fixture(name);
     let registry = mlex_models::registry().unwrap();
     let model = load(path_of(&f).to_str().unwrap(), registry).unwrap().model;
     let vocab = model.vocab_size() as u32;
     let mut g = Generator::new(model, true);
     g.prefill_chunk = 64;
-    let ps: Vec<Vec<u32>> = LENGTHS
+    let ps: Vec<Vec<u32>> = lengths
         .iter()
         .enumerate()
         .map(|(i, &n)| random_ids(i as u64 + 11, n, vocab))
@@ -159,5 +172,12 @@ fn each_row_judges_by_its_own_rule_under_a_penalty_and_other_k() {
     for name in ["qwen3_5-f32", "nemotron_h-f32", "llama-f32"] {
         check(name, 1, 1.3);
         check(name, 5, 1.3);
+    }
+}
+
+#[test]
+fn windows_past_the_batch_caches_buffers_equal_plain() {
+    for name in ["qwen3_5-f32", "llama-f32"] {
+        check_lengths(name, 3, 1.0, &LONG, |_| 24);
     }
 }

@@ -30,11 +30,12 @@ for r in $(seq "$ROUNDS"); do for b in $builds; do
   timeout 90 $bin bench --model $H --prompt-len 128 --gen 256 --format json | tail -1 | tag "plain-$b" | tee -a "$J"
 done; done
 port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-nccl1() { MLX_RANK=0 MLX_WORLD_SIZE=1 NCCL_HOST_IP=127.0.0.1 NCCL_PORT=$port NCCL_NVLS_ENABLE=0 "$@" --tp 1; }
+# (a function: `timeout` runs it through env, not as a command of its own)
+nccl1() { MLX_RANK=0 MLX_WORLD_SIZE=1 NCCL_HOST_IP=127.0.0.1 NCCL_PORT=$port NCCL_NVLS_ENABLE=0 timeout 90 "$@" --tp 1; }
 for r in $(seq "$ROUNDS"); do
   late && break
   timeout 90 $M bench --model $H --prompt-len 128 --gen 256 --format json | tail -1 | tag "one-device" | tee -a "$J"
-  timeout 90 nccl1 $M bench --model $H --prompt-len 128 --gen 256 --format json | tail -1 | tag "nccl-1-rank" | tee -a "$J"
+  nccl1 $M bench --model $H --prompt-len 128 --gen 256 --format json | tail -1 | tag "nccl-1-rank" | tee -a "$J"
 done
 ids=$(seq -s, 1 64)
 for run in one nccl; do

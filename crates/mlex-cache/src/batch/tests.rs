@@ -176,3 +176,35 @@ fn the_mask_hides_each_rows_padding_only() {
     let m: Vec<bool> = m.as_slice::<bool>().to_vec();
     assert_eq!(m, [false, false, true, true, true, true, true, true]);
 }
+
+/// A verify window that crosses the buffers' end: the mask is taken before
+/// the write grows them, so it covers columns the holes never had.
+#[test]
+fn a_window_past_the_buffers_end_masks_the_holes_it_had_and_none_beyond() {
+    let mut c = BatchKvCache::new(2);
+    let len = KV_STEP - 5;
+    c.write_row(0, &seq(len, 0.0), &seq(len, 0.0)).unwrap();
+    c.write_row(1, &seq(len, 0.0), &seq(len, 0.0)).unwrap();
+    let w = columns(&[&[1., 2., 3.], &[4., 5., 6.]]);
+    c.update_and_fetch(&w, &w).unwrap();
+    c.trim_rows(&[0, 2]).unwrap();
+    assert_eq!(
+        (c.columns(), c.holes(1), c.capacity()),
+        (KV_STEP - 2, 2, KV_STEP)
+    );
+    let AttentionMask::Array(m) = c.mask(4).unwrap() else {
+        panic!("a batch with holes needs a mask")
+    };
+    assert_eq!(m.shape(), &[2, 1, 4, KV_STEP as i32 + 2]);
+    // Row 1, its last query: everything but its two holes.
+    let last = m.try_index((1, 0, 3)).unwrap();
+    let hidden: Vec<usize> = (last.as_slice::<bool>().iter().enumerate())
+        .filter(|(_, &v)| !v)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(hidden, [KV_STEP - 4, KV_STEP - 3]);
+    // The window's write grows the buffers and the mask fits its keys.
+    let w = columns(&[&[7., 8., 9., 10.], &[11., 12., 13., 14.]]);
+    let (k, _) = c.update_and_fetch(&w, &w).unwrap();
+    assert_eq!(k.shape()[2], m.shape()[3]);
+}

@@ -328,22 +328,19 @@ pub fn speculative(
 /// `generator`'s model (loaded with `m`): one drafter per admitted
 /// request, a draft model loaded once and shared by them; rounds while at
 /// most the model's `Dispatch::speculative_rows` sequences are active.
-/// `--mtp` drafts one sequence at a time: refused, naming `what`.
+/// `--mtp` needs the model loaded with its head ([`load_for`]); its rows
+/// prefill on their own, never from the prompt cache.
 pub fn batch_speculation(
     generator: &mlex_generate::Generator,
     s: &crate::args::SpeculativeArgs,
     m: &ModelArgs,
     registry: &Registry,
-    what: &str,
 ) -> Result<Option<mlex_generate::BatchSpeculation>> {
     let k = mlex_generate::check_draft_tokens(s.draft_tokens)?;
     let make: Box<dyn FnMut() -> Result<Box<dyn mlex_generate::Drafter>>> = if s.mtp {
-        return Err(Error::invalid(
-            "--mtp",
-            format!(
-                "drafts one sequence at a time for now (generate, chat, bench), not with {what}"
-            ),
-        ));
+        Box::new(|| {
+            Ok(Box::new(mlex_generate::MtpDrafter::new()) as Box<dyn mlex_generate::Drafter>)
+        })
     } else if let Some(path) = &s.draft_model {
         let dm = ModelArgs {
             model: path.clone(),

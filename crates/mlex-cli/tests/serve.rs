@@ -344,8 +344,7 @@ fn thirty_two_concurrent_clients_get_the_answers_of_one_at_a_time() {
 
 /// `mlex serve --lookup`: concurrent requests that copy text get the answers
 /// of a server that does not speculate, with what drafting did in their
-/// usage and in `/metrics`; `--mtp` is refused by name (it drafts one
-/// sequence at a time).
+/// usage and in `/metrics`.
 #[test]
 fn a_speculating_server_answers_as_a_plain_one() {
     let ask = |i: usize| {
@@ -394,13 +393,67 @@ fn a_speculating_server_answers_as_a_plain_one() {
         accepted as f64
     );
     assert!(metric(&s, "mlex_speculative_rounds_total") > 0.0);
-    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("mlex"))
-        .args(["serve", "--port", "0", "--mtp", "--model"])
-        .arg(path_of(&fixture("qwen3_5-mtp-hf")))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--mtp"), "{err}");
+}
+
+/// `mlex serve --mtp`: the checkpoint's own head drafts for each request
+/// (a Qwen3.5 fixture with a head, given a word-level tokenizer of its 256
+/// ids): concurrent completions, and one repeated after its prompt was
+/// cached, are a plain server's, with the head's rounds in their usage.
+#[test]
+fn a_server_drafting_with_the_mtp_head_answers_as_a_plain_one() {
+    let src = path_of(&fixture("qwen3_5-mtp-hf"));
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let vocab: serde_json::Map<String, Value> =
+        (0..256).map(|i| (format!("t{i}"), json!(i))).collect();
+    let tokenizer = json!({
+        "version": "1.0",
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
+        "pre_tokenizer": {"type": "Whitespace"},
+    });
+    std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let ask = |i: usize| {
+        let words: Vec<String> = (0..9)
+            .map(|j| format!("t{}", 3 + (i * 37 + j * 11) % 250))
+            .collect();
+        json!({"prompt": words.join(" "), "max_tokens": 14, "temperature": 0})
+    };
+    let answers = |s: &Server| -> Vec<Value> {
+        let mut v: Vec<Value> = std::thread::scope(|sc| {
+            let handles: Vec<_> = (0..3)
+                .map(|i| sc.spawn(move || post(s, "/v1/completions", None, &ask(i))))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .map(|(code, v)| {
+                    assert_eq!(code, 200, "{v}");
+                    v
+                })
+                .collect()
+        });
+        let (code, again) = post(s, "/v1/completions", None, &ask(0));
+        assert_eq!(code, 200, "{again}");
+        v.push(again);
+        v
+    };
+    let plain = answers(&start_on(dir.path(), &["--batch", "4"]));
+    let s = start_on(
+        dir.path(),
+        &["--batch", "4", "--mtp", "--draft-tokens", "2"],
+    );
+    let spec = answers(&s);
+    for (i, (p, v)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(
+            v["choices"][0]["text"], p["choices"][0]["text"],
+            "request {i}"
+        );
+        let u = &v["usage"]["speculative"];
+        assert!(u["rounds"].as_u64().unwrap() > 0, "{v}");
+    }
+    assert!(metric(&s, "mlex_speculative_rounds_total") > 0.0);
 }
 
 #[test]

@@ -377,9 +377,13 @@ impl<'g> BatchGenerator<'g> {
     ) -> Result<()> {
         let rows = self.slots.len() as i32;
         let feed = self.next.take().expect("a used batch has tokens");
-        let cache = self.cache.as_mut().expect("a used batch has caches");
         let inp = ops::reshape(&feed, &[rows, 1])?;
-        let logits = self.gen.step(&inp, cache)?;
+        let logits = if self.rows_want_hidden() {
+            self.step_keeping_hidden(&inp)?
+        } else {
+            let cache = self.cache.as_mut().expect("a used batch has caches");
+            self.gen.step(&inp, cache)?
+        };
         for a in self.slots.iter_mut().flatten() {
             a.fed_lp = a.next_lp.take();
         }
@@ -529,39 +533,25 @@ impl<'g> BatchGenerator<'g> {
             return Ok(());
         }
         let started = Instant::now();
-        // Requests that use the prompt cache restore their longest cached
-        // prefix and prefill the rest on their own; the others are
-        // prefilled together.
-        let (cached, fresh): (Vec<usize>, Vec<usize>) =
-            (0..group.len()).partition(|&i| group[i].2.use_prompt_cache);
-        let prompts: Vec<&[u32]> = fresh.iter().map(|&i| group[i].1.as_slice()).collect();
-        let mut prefilled: Vec<Option<(ModelCache, Option<Array>, usize)>> =
-            (0..group.len()).map(|_| None).collect();
-        for (&i, (c, l)) in fresh.iter().zip(self.prefill_group(&prompts)?) {
-            prefilled[i] = Some((c, Some(l), 0));
-        }
-        for &i in &cached {
-            let prompt = &group[i].1;
-            let hit = self.gen.prompt_cache.lookup(prompt);
-            prefilled[i] = Some(match hit {
-                Some(h) if (1..=FEED_MAX).contains(&(prompt.len() - h.reused)) => {
-                    (h.cache, None, h.reused)
-                }
-                hit => {
-                    let (c, l, r) = self.prefill_cached(prompt, hit)?;
-                    (c, Some(l), r)
-                }
-            });
-        }
-        let prefilled: Vec<(ModelCache, Option<Array>, usize)> = prefilled
-            .into_iter()
-            .map(|p| p.expect("every request prefilled"))
+        let drafters = self.drafters_for(group.iter().map(|g| &g.2))?;
+        let reads_hidden: Vec<bool> = drafters
+            .iter()
+            .map(|d| d.as_ref().is_some_and(|d| d.wants_hidden()))
             .collect();
+        let prompts: Vec<(&[u32], bool)> = group
+            .iter()
+            .map(|g| (g.1.as_slice(), g.2.use_prompt_cache))
+            .collect();
+        let (prefilled, prompt_hidden) = self.prefill_admitted(&prompts, &reads_hidden)?;
         self.ensure_rows(self.active() + group.len())?;
         let limit = self.gen.model.max_context.unwrap_or(usize::MAX);
         let mut firsts = Vec::with_capacity(group.len());
-        for ((id, prompt, opts, sampler), (single, logits, reused)) in
-            group.into_iter().zip(prefilled)
+        let admitted = group
+            .into_iter()
+            .zip(prefilled)
+            .zip(drafters)
+            .zip(prompt_hidden);
+        for ((((id, prompt, opts, sampler), (single, logits, reused)), drafter), hidden) in admitted
         {
             let row = self
                 .slots
@@ -600,19 +590,14 @@ impl<'g> BatchGenerator<'g> {
                 }
             };
             let next_is_prompt = logits.is_none();
-            if let Some(spec) = self.speculation.as_mut() {
-                if active.constraint.is_none() && active.logprobs.is_none() {
-                    let rng = match active.sampler.config().seed {
-                        Some(seed) => rand::rngs::StdRng::seed_from_u64(seed),
-                        None => rand::rngs::StdRng::from_os_rng(),
-                    };
-                    active.spec = Some(speculative::RowSpec::new(
-                        (spec.make)()?,
-                        &prompt,
-                        rng,
-                        spec.k,
-                    ));
-                }
+            if let (Some(spec), Some(drafter)) = (self.speculation.as_ref(), drafter) {
+                let rng = match active.sampler.config().seed {
+                    Some(seed) => rand::rngs::StdRng::seed_from_u64(seed),
+                    None => rand::rngs::StdRng::from_os_rng(),
+                };
+                active.spec = Some(speculative::RowSpec::new(
+                    drafter, &prompt, rng, spec.k, hidden,
+                ));
             }
             let next = self.next.as_mut().expect("ensure_rows made the tokens");
             let r = row as i32;
@@ -627,6 +612,56 @@ impl<'g> BatchGenerator<'g> {
         self.stats.prefill_time += started.elapsed();
         self.stats.peak_active = self.stats.peak_active.max(self.active());
         Ok(())
+    }
+
+    /// Prefills the admitted `prompts` (each with whether it uses the
+    /// prompt cache): those that do restore their longest cached prefix and
+    /// prefill the rest on their own; the others are prefilled together.
+    /// A prompt whose row `reads_hidden` (its drafter reads the target's
+    /// states) is prefilled on its own, keeping every position's normed
+    /// state. Returns each one's batch-1 caches, last logits (none when a
+    /// restored prefix leaves prompt tokens to feed) and reused count, and
+    /// the normed states of those that read them.
+    #[allow(clippy::type_complexity)]
+    fn prefill_admitted(
+        &mut self,
+        prompts: &[(&[u32], bool)],
+        reads_hidden: &[bool],
+    ) -> Result<(Vec<(ModelCache, Option<Array>, usize)>, Vec<Option<Array>>)> {
+        let n = prompts.len();
+        let mut prefilled: Vec<Option<(ModelCache, Option<Array>, usize)>> =
+            (0..n).map(|_| None).collect();
+        let mut hidden: Vec<Option<Array>> = (0..n).map(|_| None).collect();
+        for i in (0..n).filter(|&i| reads_hidden[i]) {
+            let (c, l, normed) = self.gen.prefill_normed(prompts[i].0)?;
+            prefilled[i] = Some((c, Some(l), 0));
+            hidden[i] = Some(normed);
+        }
+        let (cached, fresh): (Vec<usize>, Vec<usize>) = (0..n)
+            .filter(|&i| !reads_hidden[i])
+            .partition(|&i| prompts[i].1);
+        let together: Vec<&[u32]> = fresh.iter().map(|&i| prompts[i].0).collect();
+        for (&i, (c, l)) in fresh.iter().zip(self.prefill_group(&together)?) {
+            prefilled[i] = Some((c, Some(l), 0));
+        }
+        for &i in &cached {
+            let prompt = prompts[i].0;
+            let hit = self.gen.prompt_cache.lookup(prompt);
+            prefilled[i] = Some(match hit {
+                Some(h) if (1..=FEED_MAX).contains(&(prompt.len() - h.reused)) => {
+                    (h.cache, None, h.reused)
+                }
+                hit => {
+                    let (c, l, r) = self.prefill_cached(prompt, hit)?;
+                    (c, Some(l), r)
+                }
+            });
+        }
+        let prefilled = prefilled
+            .into_iter()
+            .map(|p| p.expect("every request prefilled"))
+            .collect();
+        Ok((prefilled, hidden))
     }
 
     /// One prompt through the prompt cache: the deepest cached prefix is

@@ -2,7 +2,7 @@
 //! batched engine, one output line per prompt as it finishes.
 
 use crate::args::{Format, GenerateArgs};
-use crate::session::{generate_options, load_with, tokenizer_for};
+use crate::session::{generate_options, tokenizer_for};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{
@@ -128,7 +128,7 @@ fn parse_line(
 pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
     a.model.refuse_kv_options("--prompts-file")?;
     let content = std::fs::read_to_string(file).map_err(|e| Error::io(file, e))?;
-    let loaded = load_with(&a.model, registry)?;
+    let loaded = crate::session::load_for(&a.model, Some(&a.speculative), registry)?;
     let vocab = loaded.model.vocab_size() as usize;
     let tokenizer = match tokenizer_for(&loaded) {
         Ok(t) => Some(t),
@@ -149,13 +149,8 @@ pub fn run(a: GenerateArgs, file: &Path, registry: &Registry) -> Result<()> {
         };
         let _ = stdout.flush();
     };
-    let speculation = crate::session::batch_speculation(
-        &generator,
-        &a.speculative,
-        &a.model,
-        registry,
-        "--prompts-file",
-    )?;
+    let speculation =
+        crate::session::batch_speculation(&generator, &a.speculative, &a.model, registry)?;
     let mut engine = BatchGenerator::new(&mut generator, a.batch as usize)?;
     if let Some(s) = speculation {
         engine.speculate(s)?;

@@ -1,7 +1,7 @@
 //! `mlex serve`.
 
 use crate::args::ServeArgs;
-use crate::session::{load_with, tokenizer_for};
+use crate::session::{load_for, tokenizer_for};
 use mlex_core::error::Result;
 use mlex_server::{Loaded, ServeConfig};
 use std::path::PathBuf;
@@ -9,13 +9,6 @@ use std::time::Duration;
 
 pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
     a.model.refuse_kv_options("mlex serve")?;
-    if a.speculative.mtp {
-        // Before the model loads: the head drafts one sequence at a time.
-        return Err(mlex_core::error::Error::invalid(
-            "--mtp",
-            "drafts one sequence at a time for now (generate, chat, bench), not with mlex serve; use --lookup or --draft-model",
-        ));
-    }
     let model_id = a.served_model_name.clone().unwrap_or_else(|| {
         let trimmed = a.model.model.trim_end_matches('/');
         trimmed.rsplit('/').next().unwrap_or(trimmed).to_owned()
@@ -37,16 +30,11 @@ pub fn run(a: ServeArgs, arch_paths: Vec<PathBuf>) -> Result<()> {
     // stay on the thread that made them.
     let load = Box::new(move || -> Result<Loaded> {
         let registry = mlex_models::build_registry(&arch_paths)?;
-        let loaded = load_with(&model_args, &registry)?;
+        let loaded = load_for(&model_args, Some(&spec_args), &registry)?;
         let tokenizer = tokenizer_for(&loaded)?;
         let generator = crate::session::generator(loaded.model, &model_args);
-        let speculation = crate::session::batch_speculation(
-            &generator,
-            &spec_args,
-            &model_args,
-            &registry,
-            "mlex serve",
-        )?;
+        let speculation =
+            crate::session::batch_speculation(&generator, &spec_args, &model_args, &registry)?;
         Ok(Loaded {
             generator,
             tokenizer,

@@ -8,6 +8,12 @@
 //! position. Rows that propose nothing verify only their one token, so
 //! rows with and without drafts share a round.
 //!
+//! A drafter that reads the target's hidden states (the MTP head) gets its
+//! row's: such a row is prefilled on its own with every position's normed
+//! state (never from the prompt cache, whose prefixes have none), and while
+//! it is in the batch every step, plain or a round, keeps the normed states
+//! of the positions each row committed ([`RowSpec::hidden`]).
+//!
 //! Rounds run while few rows are active ([`BatchSpeculation::max_rows`]):
 //! a fuller batch already keeps the device busy, and a verify forward of
 //! `rows x T` tokens then costs more than it saves (measured in
@@ -16,6 +22,7 @@
 
 use super::{Active, BatchGenerator, Emitted, SeqId};
 use crate::generate::Flow;
+use crate::generate::GenerateOptions;
 use crate::speculative::{argmax_ids, Draft, DraftRequest, Drafter, Judge, SpecStats};
 use mlex_core::error::Result;
 use mlex_core::model::Model;
@@ -43,11 +50,26 @@ pub(super) struct RowSpec {
     pub(super) tokens: Vec<u32>,
     rng: StdRng,
     pub(super) stats: SpecStats,
+    /// For a drafter that reads the target's hidden states: the normed
+    /// states (`[1, n, D]` pieces) of the positions committed since its
+    /// last proposal, the prompt's at first.
+    hidden: Option<Vec<Array>>,
 }
 
 impl RowSpec {
-    /// A row's drafting state: `drafter`, its prompt, its random stream.
-    pub(super) fn new(drafter: Box<dyn Drafter>, prompt: &[u32], rng: StdRng, k: usize) -> Self {
+    /// A row's drafting state: `drafter`, its prompt, its random stream;
+    /// `prompt_hidden`, the prompt's normed states, for a drafter that
+    /// reads them.
+    pub(super) fn new(
+        drafter: Box<dyn Drafter>,
+        prompt: &[u32],
+        rng: StdRng,
+        k: usize,
+        prompt_hidden: Option<Array>,
+    ) -> Self {
+        let hidden = drafter
+            .wants_hidden()
+            .then(|| prompt_hidden.into_iter().collect());
         let stats = SpecStats {
             drafter: drafter.name().to_owned(),
             draft_tokens: k,
@@ -58,7 +80,13 @@ impl RowSpec {
             tokens: prompt.to_vec(),
             rng,
             stats,
+            hidden,
         }
+    }
+
+    /// True when its drafter reads the target's hidden states.
+    pub(super) fn wants_hidden(&self) -> bool {
+        self.hidden.is_some()
     }
 }
 
@@ -80,6 +108,15 @@ impl Active {
             return Ok(Draft::default());
         }
         let t0 = Instant::now();
+        let hidden = match s.hidden.as_mut() {
+            Some(parts) if parts.len() > 1 => {
+                let h = ops::concatenate(parts, 1)?;
+                parts.clear();
+                Some(h)
+            }
+            Some(parts) => parts.pop(),
+            None => None,
+        };
         s.tokens.push(y);
         let proposed = s.drafter.propose(DraftRequest {
             context: &s.tokens,
@@ -87,7 +124,7 @@ impl Active {
             sampler: &self.sampler,
             rng: &mut s.rng,
             model: Some(model),
-            hidden: None,
+            hidden: hidden.as_ref(),
         });
         s.tokens.pop();
         let mut draft = proposed?;
@@ -98,6 +135,56 @@ impl Active {
 }
 
 impl BatchGenerator<'_> {
+    /// A drafter for each admitted request of these options, in order
+    /// (speculation's factory is called in submission order): none when
+    /// speculation is off, or for a request held to a grammar or asking
+    /// for log-probabilities (those decode plain steps).
+    pub(super) fn drafters_for<'o>(
+        &mut self,
+        opts: impl Iterator<Item = &'o GenerateOptions>,
+    ) -> Result<Vec<Option<Box<dyn Drafter>>>> {
+        opts.map(|o| match self.speculation.as_mut() {
+            Some(spec) if o.constraint.is_none() && o.logprobs.is_none() => (spec.make)().map(Some),
+            _ => Ok(None),
+        })
+        .collect()
+    }
+
+    /// True when some row's drafter reads the target's hidden states.
+    pub(super) fn rows_want_hidden(&self) -> bool {
+        self.slots
+            .iter()
+            .flatten()
+            .any(|a| a.spec.as_ref().is_some_and(RowSpec::wants_hidden))
+    }
+
+    /// Keeps for each row that reads them the normed states `[B, T, D]` of
+    /// the first `kept[r]` positions, the ones it committed.
+    fn keep_hidden(&mut self, normed: &Array, kept: &[usize]) -> Result<()> {
+        for (r, slot) in self.slots.iter_mut().enumerate() {
+            let Some(parts) = slot
+                .as_mut()
+                .and_then(|a| a.spec.as_mut())
+                .and_then(|s| s.hidden.as_mut())
+            else {
+                continue;
+            };
+            let (r, n) = (r as i32, kept[r] as i32);
+            parts.push(normed.try_index((r..r + 1, ..n, ..))?);
+        }
+        Ok(())
+    }
+
+    /// A plain decode step of `[B, 1]` tokens that also keeps the normed
+    /// states of the rows that read them: `[B, V]` logits.
+    pub(super) fn step_keeping_hidden(&mut self, inp: &Array) -> Result<Array> {
+        let cache = self.cache.as_mut().expect("a used batch has caches");
+        let (logits, normed, states) = self.gen.verify_normed(inp, cache)?;
+        cache.commit(states, 1)?;
+        self.keep_hidden(&normed, &vec![1; self.slots.len()])?;
+        Ok(ops::squeeze_axes(&logits, &[1])?)
+    }
+
     /// True when the next step can be a speculative round: speculation is
     /// on, few enough rows are active, and every one of them drafts and
     /// feeds an output token.
@@ -149,6 +236,8 @@ impl BatchGenerator<'_> {
             return Ok(false);
         }
         let t = longest + 1;
+        let want_hidden = self.rows_want_hidden();
+        let cache = self.cache.as_mut().expect("a used batch has caches");
         let inputs: Vec<Vec<i32>> = (0..rows)
             .map(|r| {
                 let y = ids[r] as i32;
@@ -161,7 +250,13 @@ impl BatchGenerator<'_> {
         let flat: Vec<i32> = inputs.iter().flatten().copied().collect();
         let x = Array::from_slice(&flat, &[rows as i32, t as i32]);
         let started = Instant::now();
-        let (logits, states) = self.gen.verify(&x, cache)?;
+        let (logits, normed, states) = if want_hidden {
+            let (l, n, s) = self.gen.verify_normed(&x, cache)?;
+            (l, Some(n), s)
+        } else {
+            let (l, s) = self.gen.verify(&x, cache)?;
+            (l, None, s)
+        };
         let emitted = self.judge(&logits, &inputs, &drafts)?;
         let verify_s = started.elapsed().as_secs_f64();
         let kept: Vec<usize> = emitted.iter().map(Vec::len).collect();
@@ -170,6 +265,9 @@ impl BatchGenerator<'_> {
             .as_mut()
             .expect("a used batch has caches")
             .commit_rows(states, &kept)?;
+        if let Some(normed) = normed {
+            self.keep_hidden(&normed, &kept)?;
+        }
         let commit_s = committed.elapsed().as_secs_f64();
         let mut next = vec![0u32; rows];
         for r in 0..rows {

@@ -88,8 +88,7 @@ fn batch_speculation(
 ) -> Result<Option<mlex_generate::BatchSpeculation>> {
     let k = a.speculative.draft_tokens;
     let Some(acc) = a.draft_acceptance else {
-        let s =
-            crate::session::batch_speculation(g, &a.speculative, &a.model, registry, "--batch")?;
+        let s = crate::session::batch_speculation(g, &a.speculative, &a.model, registry)?;
         return Ok(s.map(|s| mlex_generate::BatchSpeculation {
             max_rows: usize::MAX,
             ..s

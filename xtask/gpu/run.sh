@@ -31,9 +31,12 @@ exec > >(tee "$O/$STEP.log") 2>&1
 eval "$(sh $B/mlex-cuda-env.sh .mlx-cuda/mlx-cuda-sm90.tar /tmp/mlex-cuda)"
 
 # The carried wheels (.whl/: mlx, mlx-lm, ...) into /tmp/site, on PYTHONPATH;
-# ARGS go to pip (--upgrade: over what an earlier call left there).
+# ARGS go to pip (--upgrade: over what an earlier call left there). Of the
+# wheels built for one CPython (mlx for cp310..cp313), those of this python.
 wheels() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$@" --target /tmp/site .whl/*.whl &&
+  local cp; cp=$(python3 -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+  local w; w=$(ls .whl/*.whl | grep -E -- "-py3-none-|-$cp-")
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$@" --target /tmp/site $w &&
     export PYTHONPATH=/tmp/site
 }
 

@@ -38,6 +38,29 @@ const LENGTHS: [usize; 6] = [7, 33, 1, 20, 33, 12];
 /// counts, asking for 24 tokens more.
 const LONG: [usize; 3] = [240, 236, 238];
 
+/// Each prompt's plain output one at a time (prompt `i` with `opts(i)`),
+/// and the prompt followed by it: the script a drafter can follow.
+fn plain_runs(
+    g: &mut Generator,
+    ps: &[Vec<u32>],
+    opts: impl Fn(usize) -> GenerateOptions,
+) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let want: Vec<Vec<u32>> = ps
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let r = g.generate(p, &opts(i), &mut |_| Ok(Flow::Continue));
+            r.unwrap().tokens
+        })
+        .collect();
+    let scripts = ps
+        .iter()
+        .zip(&want)
+        .map(|(p, w)| [p.as_slice(), w.as_slice()].concat())
+        .collect();
+    (want, scripts)
+}
+
 /// A drafter that never proposes.
 struct Silent;
 
@@ -75,24 +98,9 @@ fn check_lengths(
         .enumerate()
         .map(|(i, &n)| random_ids(i as u64 + 11, n, vocab))
         .collect();
-    let want: Vec<Vec<u32>> = ps
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            g.generate(p, &opts(max_tokens(i), penalty), &mut |_| {
-                Ok(Flow::Continue)
-            })
-            .unwrap()
-            .tokens
-        })
-        .collect();
+    let (want, scripts) = plain_runs(&mut g, &ps, |i| opts(max_tokens(i), penalty));
     // Requests are admitted in the order they were submitted: the i-th
     // drafter made serves prompt i. Every third row drafts nothing.
-    let scripts: Vec<Vec<u32>> = ps
-        .iter()
-        .zip(&want)
-        .map(|(p, w)| [p.as_slice(), w.as_slice()].concat())
-        .collect();
     let made = Rc::new(Cell::new(0usize));
     let counter = made.clone();
     let make = Box::new(move || -> mlex_core::error::Result<Box<dyn Drafter>> {
@@ -276,24 +284,10 @@ fn batched_mtp_drafts_from_each_rows_own_states_and_equals_plain() {
             use_prompt_cache: i == 1 || i == 2,
             ..opts(10 + 3 * (i % 2), 1.0)
         };
-        let want: Vec<Vec<u32>> = ps
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let plain_opts = GenerateOptions {
-                    use_prompt_cache: false,
-                    ..row_opts(i)
-                };
-                g.generate(p, &plain_opts, &mut |_| Ok(Flow::Continue))
-                    .unwrap()
-                    .tokens
-            })
-            .collect();
-        let scripts: Vec<Vec<u32>> = ps
-            .iter()
-            .zip(&want)
-            .map(|(p, w)| [p.as_slice(), w.as_slice()].concat())
-            .collect();
+        let (want, scripts) = plain_runs(&mut g, &ps, |i| GenerateOptions {
+            use_prompt_cache: false,
+            ..row_opts(i)
+        });
         let steered = move |script: &Vec<u32>, log: &Log| Steered {
             inner: mlex_generate::MtpDrafter::new(),
             script: script.clone(),

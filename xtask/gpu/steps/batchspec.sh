@@ -7,14 +7,14 @@
 # (`--tp 1` under MLX_RANK) against plain decode, alternating, and its
 # greedy tokens against one device's; single-sequence speculation at
 # A = 0.8, K = 3, forced acceptance; then `mlex bench --batch B
-# --draft-acceptance A --force-acceptance --draft-tokens 3 --repeats 2`
+# --draft-acceptance A --force-acceptance --draft-tokens 3 --repeats R`
 # for each B of BATCHES (plain and speculative batches alternating in one
 # process). No run starts after DEADLINE_S seconds. Needs the CUDA
 # bundle's files in .gpu/, the mlx-cuda-pack archive in .mlx-cuda/ and the
 # mlx wheel in .whl/; writes $OUT/batchspec.jsonl (field "run" on each line).
 #
-#   bash xtask/gpu/run.sh batchspec [ROUNDS] [BATCHES] [A] [DEADLINE_S]
-ROUNDS=${1:-2}; BATCHES=${2:-"1 4 8 16"}; ACC=${3:-0.8}; DEADLINE=${4:-300}
+#   bash xtask/gpu/run.sh batchspec [ROUNDS] [BATCHES] [A] [DEADLINE_S] [R]
+ROUNDS=${1:-2}; BATCHES=${2:-"1 4 8 16"}; ACC=${3:-0.8}; DEADLINE=${4:-300}; REPEATS=${5:-2}
 $M env | head -3
 wheels
 models qwen3_5
@@ -46,7 +46,7 @@ late || timeout 90 $M bench --model $H --prompt-len 128 --gen 128 --repeats 2 --
   --draft-tokens 3 --force-acceptance --format json | tail -1 | tag "spec-1" | tee -a "$J"
 for bsz in $BATCHES; do
   late && break
-  timeout 150 $M bench --model $H --prompt-len 128 --gen 128 --batch $bsz --repeats 2 \
+  timeout 150 $M bench --model $H --prompt-len 128 --gen 128 --batch $bsz --repeats $REPEATS \
     --draft-acceptance $ACC --force-acceptance --draft-tokens 3 --format json | tail -1 | tag "batch-$bsz" | tee -a "$J"
 done
 echo "batchspec: $(wc -l < "$J") results in $(( $(date +%s) - start )) s"

@@ -36,7 +36,7 @@ for s in qwen3-0.6b qwen3_5 nemotron_h; do
 done
 # The A/B of the cuDNN plan cache (MLEX_OPS_ATTENTION_ROWS=0: MLX's fused
 # attention for every verify), on one cell.
-late || MLEX_OPS_ATTENTION_ROWS=0 timeout 120 $M bench --model /tmp/models/qwen3-0.6b-real --prompt-len 128 \
+late || [ "$PARTS" = acceptance ] || MLEX_OPS_ATTENTION_ROWS=0 timeout 120 $M bench --model /tmp/models/qwen3-0.6b-real --prompt-len 128 \
   --gen "$GEN" --repeats "$PAIRS" --draft-acceptance 0.8 --draft-tokens 3 $FORCE --format json | tail -1 |
   sed 's/^{/{"ops_attention_rows_env":"0",/' | tee -a "$J"
 CELLS=${SPEC_CELLS:-"0.8:3 1.0:3 0.6:3 0.9:3 1.0:1 1.0:2 1.0:4 1.0:6 0.8:1 0.8:2 0.8:4 0.8:6 0.6:1 0.6:2 0.6:4 0.6:6"}

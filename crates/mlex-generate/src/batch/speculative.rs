@@ -21,8 +21,7 @@
 //! rows still feeding a prompt tail, run plain steps (their batch does).
 
 use super::{Active, BatchGenerator, Emitted, SeqId};
-use crate::generate::Flow;
-use crate::generate::GenerateOptions;
+use crate::generate::{Flow, GenerateOptions};
 use crate::speculative::{argmax_ids, Draft, DraftRequest, Drafter, Judge, SpecStats};
 use mlex_core::error::Result;
 use mlex_core::model::Model;
@@ -109,12 +108,7 @@ impl Active {
         }
         let t0 = Instant::now();
         let hidden = match s.hidden.as_mut() {
-            Some(parts) if parts.len() > 1 => {
-                let h = ops::concatenate(parts, 1)?;
-                parts.clear();
-                Some(h)
-            }
-            Some(parts) => parts.pop(),
+            Some(parts) => crate::speculative::take_hidden(parts)?,
             None => None,
         };
         s.tokens.push(y);

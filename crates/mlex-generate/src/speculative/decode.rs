@@ -73,12 +73,7 @@ impl Generator {
                 let t0 = Instant::now();
                 // The context is what the cache holds and `y`.
                 fed.push(y);
-                let h = match hidden.len() {
-                    0 => None,
-                    1 => hidden.pop(),
-                    _ => Some(ops::concatenate(&hidden, 1)?),
-                };
-                hidden.clear();
+                let h = super::take_hidden(&mut hidden)?;
                 let proposed = drafter.propose(DraftRequest {
                     context: &fed,
                     k: kk,

@@ -108,6 +108,18 @@ pub trait Drafter {
     }
 }
 
+/// The target's normed states kept since a drafter's last proposal
+/// (`[1, n, D]` pieces), as one `[1, sum n, D]` array for its next one;
+/// `parts` is left empty. `None` when nothing was kept.
+pub(crate) fn take_hidden(parts: &mut Vec<Array>) -> Result<Option<Array>> {
+    let h = match parts.len() {
+        0 | 1 => parts.pop(),
+        _ => Some(ops::concatenate(parts, 1)?),
+    };
+    parts.clear();
+    Ok(h)
+}
+
 /// A `[1, V]` (or `[V]`) probability array on the host.
 pub(crate) fn host_probs(p: &Array) -> Result<Vec<f32>> {
     let p = ops::reshape(p, &[-1])?;

@@ -1739,6 +1739,21 @@ fn speculative_options_reject_bad_values_naming_them() {
         .map(|s| s["speculative"]["rounds"].as_u64().unwrap())
         .sum();
     assert!(rounds > 0, "{spec:?}");
+    // A checkpoint without a head, asked for --mtp in a batch, says so.
+    let out = mlex()
+        .arg("generate")
+        .arg("--model")
+        .arg(fixture_path("qwen3_5-f32"))
+        .arg("--prompts-file")
+        .arg(&prompts)
+        .args(["--ids", "--mtp"])
+        .assert()
+        .failure()
+        .get_output()
+        .stderr
+        .clone();
+    let e = String::from_utf8_lossy(&out);
+    assert!(e.contains("--mtp") && e.contains("config.json"), "{e}");
 }
 
 /// `--mtp`: the checkpoint's own head drafts, the output is the plain

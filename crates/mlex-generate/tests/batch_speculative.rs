@@ -305,7 +305,8 @@ fn batched_mtp_drafts_from_each_rows_own_states_and_equals_plain() {
             let r = g
                 .generate(p, &plain_opts, &mut |_| Ok(Flow::Continue))
                 .unwrap();
-            assert_eq!(r.tokens, want[i], "{} prompt {i} alone", f.name);
+            let what = format!("{} prompt {i} alone", f.name);
+            assert_same_but_near_ties(&g.model, p, &want[i], &r.tokens, &what);
             assert!(r.speculative.unwrap().accepted > 0);
             alone.push(log);
         }

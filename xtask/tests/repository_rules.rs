@@ -152,7 +152,7 @@ const LONG_FNS: &[(&str, &str)] = &[
     ("crates/mlex-server/src/engine.rs::run", "one text stream for every front end (issue 24)"),
     ("crates/mlex-cli/src/commands/batch.rs::run", "one text stream for every front end (issue 24)"),
     ("crates/mlex-cli/src/commands/inspect.rs::run", "the readable plan of issue 24 replaces it"),
-    ("crates/mlex-models/src/gguf_file.rs::read_tensor", "one match over the GGUF tensor types"),
+    ("crates/mlex-models/src/gguf_file.rs::decode", "one match over the GGUF tensor types"),
     ("crates/mlex-models/src/gguf_file.rs::read_header", "the header, field by field, with its checks"),
     ("crates/mlex-kernels/src/gated_delta.rs::chunked", "the chunked WY form in one place, as the paper writes it"),
     ("crates/mlex-models/src/spec.rs::plan", "the spec interpreter (issue 24)"),

@@ -156,6 +156,10 @@ fn two_ranks_equal_one_device_on_moe_gguf_and_quantized_weights() {
         "gguf-nemotron_h-f32",
         "gguf-qwen3_next-f32",
         "llama-q4-g32",
+        // A rank decodes only its rows and blocks of a quantized GGUF
+        // tensor; a split through a Q4_K block of 256 keeps its groups.
+        "gguf-qwen3_5-q4_k",
+        "gguf-nemotron_h-q8_0",
     ]);
 }
 
@@ -269,6 +273,33 @@ fn each_rank_holds_its_part_of_the_split_weights() {
         r2 < w2 + besides + 0.1 * (w1 - w2),
         "rank 0 read {r2} bytes for {w2} of weights (one device: {r1} for {w1})"
     );
+}
+
+#[test]
+fn each_rank_reads_about_its_part_of_a_gguf_file() {
+    // A GGUF tensor is read on demand: a rank reads the rows and blocks of
+    // its part (through llama.cpp's row reorders), not the whole tensor.
+    // Both ranks read the header and the tensors they keep whole (norms,
+    // convs: a larger share of these tiny files than of real ones), so a
+    // rank reads a little over half of the file; reading whole tensors
+    // and cutting them afterwards reads all of it.
+    for name in [
+        "gguf-qwen3_5-f32",
+        "gguf-qwen3_5-q4_k",
+        "gguf-nemotron_h-q8_0",
+        "gguf-llama-spm-q8_0",
+    ] {
+        let f = fixture(name);
+        let size = std::fs::metadata(model_path(&f)).unwrap().len() as f64;
+        let read = |v: &Value| v["load_read_bytes"].as_f64().expect("read bytes on Linux");
+        let (r1, r2) = (read(&bench(&f, 1, &[])), read(&bench(&f, 2, &[])));
+        // What one device reads besides the file (config, /proc): every rank reads it too.
+        let besides = r1 - size;
+        assert!(
+            r2 - besides < 0.7 * size,
+            "{name}: rank 0 read {r2} bytes of a {size}-byte file (one device: {r1})"
+        );
+    }
 }
 
 #[test]

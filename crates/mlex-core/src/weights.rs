@@ -14,27 +14,18 @@ use crate::error::{Error, Result};
 use crate::params::{ParamId, ParamStore};
 use crate::quant::{QuantSpec, Quantization};
 use mlx_rs::{Array, Dtype};
+use source::{scan_safetensors, Data};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+mod source;
+pub use source::{validate_safetensors, PartReader};
 
 #[derive(Clone, Debug)]
 struct Entry {
-    array: Array,
+    data: Data,
     file: usize,
-    /// Where its bytes lie in the file, while it is as loaded: a rank of a
-    /// tensor-parallel group reads its part from there, never the whole.
-    span: Option<FileSpan>,
-}
-
-/// A tensor's place in a safetensors file: the offset of its data, its
-/// element type and shape (row-major).
-#[derive(Clone, Debug)]
-struct FileSpan {
-    offset: u64,
-    dtype: Dtype,
-    /// Bytes an element.
-    elem: u64,
-    shape: Vec<i32>,
 }
 
 /// Named tensors with the file each came from.
@@ -45,128 +36,6 @@ pub struct WeightMap {
     /// The tensors are already this rank's parts (a built model's weights,
     /// re-read to quantize them): split scopes cut nothing.
     rank_parts: bool,
-}
-
-/// Validates a safetensors file without reading its data: header present,
-/// parseable, offsets inside the file, dtypes that MLX can load.
-pub fn validate_safetensors(path: &Path) -> Result<()> {
-    scan_safetensors(path).map(|_| ())
-}
-
-/// [`validate_safetensors`], and where each tensor's data lies.
-fn scan_safetensors(path: &Path) -> Result<BTreeMap<String, FileSpan>> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let bad = |message: String| Error::BadWeightsFile {
-        file: path.to_owned(),
-        format: "safetensors",
-        message,
-    };
-    // SAFETY: read-only map of a file we do not modify; a concurrent writer
-    // could change bytes under us, which safetensors' bounds checks tolerate.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| {
-        // Some of safetensors' messages do not say which tensor: find it.
-        match inconsistent_tensor(&map) {
-            Some(name) => bad(format!(
-                "{e} (`{name}`: its shape and dtype do not fit its data_offsets)"
-            )),
-            None => bad(e.to_string()),
-        }
-    })?;
-    let mut spans = BTreeMap::new();
-    for (name, view) in st.tensors() {
-        use safetensors::Dtype as D;
-        let dtype = match view.dtype() {
-            D::F32 => Dtype::Float32,
-            D::F16 => Dtype::Float16,
-            D::BF16 => Dtype::Bfloat16,
-            D::U32 => Dtype::Uint32,
-            D::I32 => Dtype::Int32,
-            D::U8 => Dtype::Uint8,
-            D::I8 => Dtype::Int8,
-            D::I64 => Dtype::Int64,
-            D::U64 => Dtype::Uint64,
-            D::BOOL => Dtype::Bool,
-            D::U16 => Dtype::Uint16,
-            D::I16 => Dtype::Int16,
-            D::F64 => Dtype::Float64,
-            other => {
-                return Err(bad(format!(
-                    "tensor `{name}` has dtype {other:?}, which MLX cannot load"
-                )))
-            }
-        };
-        let offset = (view.data().as_ptr() as usize - map.as_ptr() as usize) as u64;
-        let shape = view.shape().iter().map(|&d| d as i32).collect();
-        let elem = (view.dtype().bitsize() / 8) as u64;
-        spans.insert(
-            name,
-            FileSpan {
-                offset,
-                dtype,
-                elem,
-                shape,
-            },
-        );
-    }
-    Ok(spans)
-}
-
-/// The runs `ranges` (`(start, count)` along `axis`) of the tensor at
-/// `span` in `path`, read from the file and nothing else: one read per
-/// run and index of the axes before `axis`.
-fn read_part(path: &Path, span: &FileSpan, axis: usize, ranges: &[(i32, i32)]) -> Result<Array> {
-    use std::os::unix::fs::FileExt;
-    let elem = span.elem;
-    let dim = span.shape[axis] as u64;
-    let outer: u64 = span.shape[..axis].iter().map(|&d| d as u64).product();
-    let inner: u64 = span.shape[axis + 1..].iter().map(|&d| d as u64).product();
-    let kept: i32 = ranges.iter().map(|&(_, n)| n).sum();
-    let mut bytes = vec![0u8; (outer * kept as u64 * inner * elem) as usize];
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut at = 0usize;
-    for o in 0..outer {
-        for &(start, n) in ranges {
-            let from = span.offset + ((o * dim + start as u64) * inner) * elem;
-            let len = (n as u64 * inner * elem) as usize;
-            file.read_exact_at(&mut bytes[at..at + len], from)
-                .map_err(|e| Error::io(path, e))?;
-            at += len;
-        }
-    }
-    let mut shape = span.shape.clone();
-    shape[axis] = kept;
-    // SAFETY: `bytes` holds exactly `shape`'s elements of `span.dtype`, row
-    // major; MLX copies them.
-    Ok(unsafe { Array::from_raw_data(bytes.as_ptr().cast(), &shape, span.dtype) })
-}
-
-/// The first tensor of a safetensors header whose shape and dtype need
-/// another byte count than its `data_offsets` give (or overflow).
-fn inconsistent_tensor(bytes: &[u8]) -> Option<String> {
-    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    let end = 8usize.checked_add(usize::try_from(len).ok()?)?;
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(bytes.get(8..end)?).ok()?;
-    header.iter().find_map(|(name, t)| {
-        if name == "__metadata__" {
-            return None;
-        }
-        let size: u64 = match t.get("dtype")?.as_str()? {
-            "F64" | "I64" | "U64" => 8,
-            "F32" | "I32" | "U32" => 4,
-            "F16" | "BF16" | "I16" | "U16" => 2,
-            _ => 1,
-        };
-        let count = t
-            .get("shape")?
-            .as_array()?
-            .iter()
-            .try_fold(size, |n, d| n.checked_mul(d.as_u64()?));
-        let off = t.get("data_offsets")?.as_array()?;
-        let span = off.get(1)?.as_u64()?.checked_sub(off.first()?.as_u64()?);
-        (count.is_none() || span.is_none() || count != span).then(|| name.clone())
-    })
 }
 
 impl WeightMap {
@@ -209,9 +78,8 @@ impl WeightMap {
                 map.tensors.insert(
                     name,
                     Entry {
-                        array,
+                        data: Data::Array { array, span },
                         file: idx,
-                        span,
                     },
                 );
             }
@@ -232,14 +100,45 @@ impl WeightMap {
 
     /// Inserts (or replaces) a tensor from source file `file`.
     pub fn insert(&mut self, name: impl Into<String>, array: Array, file: usize) {
-        let span = None;
-        self.tensors
-            .insert(name.into(), Entry { array, file, span });
+        let data = Data::Array { array, span: None };
+        self.tensors.insert(name.into(), Entry { data, file });
     }
 
-    /// The tensor called `name`.
-    pub fn get(&self, name: &str) -> Option<&Array> {
-        self.tensors.get(name).map(|e| &e.array)
+    /// Inserts (or replaces) a tensor of `shape` and `dtype` from source
+    /// file `file` that `reader` reads on demand: whole when something
+    /// asks for it whole, else only a `--tp` rank's part of it.
+    pub fn insert_deferred(
+        &mut self,
+        name: impl Into<String>,
+        shape: Vec<i32>,
+        dtype: Dtype,
+        reader: Arc<dyn PartReader>,
+        file: usize,
+    ) {
+        let whole = Default::default();
+        let data = Data::Deferred {
+            shape,
+            dtype,
+            reader,
+            whole,
+        };
+        self.tensors.insert(name.into(), Entry { data, file });
+    }
+
+    /// The tensor called `name` (one read on demand is read whole here: an
+    /// error names its file).
+    pub fn get(&self, name: &str) -> Result<Option<&Array>> {
+        self.tensors.get(name).map(|e| e.data.array()).transpose()
+    }
+
+    /// The shape of the tensor called `name`, without reading it.
+    pub fn shape_of(&self, name: &str) -> Option<&[i32]> {
+        self.tensors.get(name).map(|e| e.data.shape())
+    }
+
+    /// The dtype of the tensor called `name`, without reading it.
+    pub fn dtype_of(&self, name: &str) -> Option<Dtype> {
+        self.tensors.get(name).map(|e| e.data.dtype())
     }
 
     /// True when `name` is present.
@@ -248,14 +147,11 @@ impl WeightMap {
     }
 
     /// Removes and returns a tensor with its source file index.
-    pub fn remove(&mut self, name: &str) -> Option<(Array, usize)> {
-        self.tensors.remove(name).map(|e| (e.array, e.file))
-    }
-
-    /// [`WeightMap::remove`], with where the tensor lies in its file while
-    /// it is as loaded.
-    fn remove_with_span(&mut self, name: &str) -> Option<(Array, usize, Option<FileSpan>)> {
-        self.tensors.remove(name).map(|e| (e.array, e.file, e.span))
+    pub fn remove(&mut self, name: &str) -> Result<Option<(Array, usize)>> {
+        self.tensors
+            .remove(name)
+            .map(|e| Ok((e.data.into_array()?, e.file)))
+            .transpose()
     }
 
     /// All names, sorted.
@@ -297,16 +193,17 @@ impl WeightMap {
         Ok(())
     }
 
-    /// Applies `f` to every tensor whose name satisfies `pred`.
+    /// Applies `f` to every tensor whose name and shape satisfy `pred`
+    /// (only those are read).
     pub fn update_where(
         &mut self,
-        pred: impl Fn(&str, &Array) -> bool,
+        pred: impl Fn(&str, &[i32]) -> bool,
         f: impl Fn(&Array) -> Result<Array>,
     ) -> Result<()> {
         for (name, e) in self.tensors.iter_mut() {
-            if pred(name, &e.array) {
-                e.array = f(&e.array)?;
-                e.span = None;
+            if pred(name, e.data.shape()) {
+                let array = f(e.data.array()?)?;
+                e.data = Data::Array { array, span: None };
             }
         }
         Ok(())
@@ -536,13 +433,13 @@ impl WeightLoader {
     pub fn take_raw(&mut self, name: &str, shape: &[i32], float: bool) -> Result<Array> {
         if !float {
             let file = self.file_for(name);
-            let array = self.map.get(name).ok_or_else(|| self.missing(name))?;
-            if array.dtype() != Dtype::Uint32 {
+            let dtype = self.map.dtype_of(name).ok_or_else(|| self.missing(name))?;
+            if dtype != Dtype::Uint32 {
                 return Err(Error::TensorMismatch {
                     name: name.to_owned(),
                     file,
                     expected: "uint32 (packed quantized weight)".into(),
-                    found: format!("{:?}", array.dtype()),
+                    found: format!("{dtype:?}"),
                 });
             }
         }
@@ -551,18 +448,21 @@ impl WeightLoader {
 
     /// The dtype of a tensor not taken yet.
     pub fn dtype_of(&self, name: &str) -> Option<Dtype> {
-        self.map.get(name).map(Array::dtype)
+        self.map.dtype_of(name)
     }
 
     fn remove_checked(&mut self, name: &str, shape: Option<&[i32]>, float: bool) -> Result<Array> {
         let file = self.file_for(name);
-        let (array, _, span) = self
+        let data = self
             .map
-            .remove_with_span(name)
-            .ok_or_else(|| self.missing(name))?;
+            .tensors
+            .remove(name)
+            .ok_or_else(|| self.missing(name))?
+            .data;
+        let (dims, dtype) = (data.shape().to_vec(), data.dtype());
         let cut = match (self.split(), self.shard()) {
             (Some(split), Some(shard)) if !self.map.rank_parts => {
-                split.axis(array.ndim()).map(|axis| (axis, shard.clone()))
+                split.axis(dims.len()).map(|axis| (axis, shard.clone()))
             }
             _ => None,
         };
@@ -605,32 +505,27 @@ impl WeightLoader {
             s
         });
         if let Some(shape) = whole_shape.as_deref() {
-            if array.shape() != shape {
+            if dims != shape {
                 return Err(Error::TensorMismatch {
                     name: name.to_owned(),
                     file,
                     expected: format!("shape {}", shape_str(shape)),
-                    found: format!("shape {}", shape_str(array.shape())),
+                    found: format!("shape {}", shape_str(&dims)),
                 });
             }
         }
-        if float
-            && !matches!(
-                array.dtype(),
-                Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
-            )
-        {
+        if float && !matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16) {
             return Err(Error::TensorMismatch {
                 name: name.to_owned(),
                 file,
                 expected: "a floating-point dtype".into(),
-                found: format!("{:?}", array.dtype()),
+                found: format!("{dtype:?}"),
             });
         }
         let Some((axis, shard)) = cut else {
-            return Ok(array);
+            return data.into_array();
         };
-        let len = array.shape()[axis];
+        let len = dims[axis];
         let scale = len / whole_units.max(1);
         let mut whole = Vec::with_capacity(plan.len());
         for &(n, c) in &plan {
@@ -638,11 +533,8 @@ impl WeightLoader {
             whole.push((n * p * scale, p as usize));
         }
         let ranges = shard.part_ranges(len, axis, &whole, name)?;
-        match span.filter(|s| s.shape.as_slice() == array.shape() && s.dtype == array.dtype()) {
-            // As loaded: read this rank's part from the file, no more.
-            Some(span) => read_part(&file, &span, axis, &ranges),
-            None => shard.segmented_part(&array, axis, &whole, name),
-        }
+        // Read this rank's part alone where the file still holds it as it is.
+        data.part(&file, &shard, axis, &whole, &ranges, name)
     }
 
     /// Adds a tensor that the checkpoint does not hold (e.g. a derived one).

@@ -132,7 +132,7 @@ fn parts_stored_differently_stay_separate_products() {
 #[test]
 fn dense_parts_of_different_dtypes_stay_separate() {
     let (mut map, q) = checkpoint([false; 3], false);
-    let (k, file) = map.remove("l.k_proj.weight").unwrap();
+    let (k, file) = map.remove("l.k_proj.weight").unwrap().unwrap();
     map.insert(
         "l.k_proj.weight",
         k.as_dtype(mlx_rs::Dtype::Float16).unwrap(),
@@ -167,7 +167,7 @@ fn a_checkpoint_holding_the_fused_name_loads_as_it_is() {
 #[test]
 fn a_missing_part_is_named() {
     let (mut map, q) = checkpoint([false; 3], false);
-    map.remove("l.k_proj.weight");
+    map.remove("l.k_proj.weight").unwrap();
     let mut ld = WeightLoader::new(map, q);
     let err = FusedLinear::load_with(&mut ld, &PARTS, IN, false, true)
         .unwrap_err()

@@ -175,11 +175,11 @@ fn safetensors_round_trip() {
     validate_safetensors(&path).unwrap();
     let map = WeightMap::load_safetensors(std::slice::from_ref(&path)).unwrap();
     assert_eq!(map.names(), vec!["a", "b", "c.bf16"]);
-    assert_eq!(values(map.get("a").unwrap()), values(&a));
-    let got_b = map.get("b").unwrap();
+    assert_eq!(values(map.get("a").unwrap().unwrap()), values(&a));
+    let got_b = map.get("b").unwrap().unwrap();
     got_b.eval().unwrap();
     assert_eq!(got_b.try_as_slice::<i32>().unwrap(), &[1, 2, 3]);
-    let got_c = map.get("c.bf16").unwrap();
+    let got_c = map.get("c.bf16").unwrap().unwrap();
     assert_eq!(got_c.dtype(), mlx_rs::Dtype::Bfloat16);
     assert_eq!(
         values(&got_c.as_dtype(mlx_rs::Dtype::Float32).unwrap()),

@@ -24,7 +24,7 @@ use half::f16;
 use mlex_core::error::{Error, Result};
 use mlx_rs::{Array, Dtype};
 use std::collections::BTreeMap;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::Read;
 use std::path::Path;
 
 /// One metadata value.
@@ -121,7 +121,7 @@ impl GgmlType {
     }
 
     /// (elements, bytes) of one block.
-    fn block(self) -> (u64, u64) {
+    pub(crate) fn block(self) -> (u64, u64) {
         match self {
             GgmlType::F32 => (1, 4),
             GgmlType::F16 | GgmlType::Bf16 => (1, 2),
@@ -413,6 +413,7 @@ pub fn read_header(path: &Path) -> Result<GgufHeader> {
 }
 
 /// A tensor ready for MLX.
+#[derive(Clone, Debug)]
 pub enum TensorData {
     /// A dense array.
     Dense(Array),
@@ -465,12 +466,10 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-/// Reads one tensor's data and converts it (see the module docs).
-pub fn read_tensor(file: &mut std::fs::File, t: &TensorInfo, path: &Path) -> Result<TensorData> {
-    let mut raw = vec![0u8; t.bytes as usize];
-    file.seek(SeekFrom::Start(t.start))
-        .and_then(|_| file.read_exact(&mut raw))
-        .map_err(|e| bad(path, format!("tensor `{}`: {e}", t.name)))?;
+/// Converts the data `raw` of a tensor shaped as `t` says (whole rows of
+/// whole blocks: all of a tensor, or the rows and blocks of it that one
+/// rank reads) into MLX arrays (see the module docs).
+pub fn decode(raw: &[u8], t: &TensorInfo, path: &Path) -> Result<TensorData> {
     let shape = &t.shape;
     let cols = *shape.last().unwrap_or(&1) as usize;
     let n: usize = shape.iter().map(|&d| d as usize).product();
@@ -526,12 +525,12 @@ pub fn read_tensor(file: &mut std::fs::File, t: &TensorInfo, path: &Path) -> Res
             TensorData::Dense(Array::from_slice(&v, shape))
         }
         GgmlType::F16 => TensorData::Dense(
-            Array::from_slice(&u16s(&raw), shape)
+            Array::from_slice(&u16s(raw), shape)
                 .view_dtype(Dtype::Float16)
                 .map_err(mlx)?,
         ),
         GgmlType::Bf16 => TensorData::Dense(
-            Array::from_slice(&u16s(&raw), shape)
+            Array::from_slice(&u16s(raw), shape)
                 .view_dtype(Dtype::Bfloat16)
                 .map_err(mlx)?,
         ),

@@ -21,7 +21,7 @@ pub fn drop_where(weights: &mut WeightMap, pred: impl Fn(&str) -> bool) -> Resul
 /// named `*{marker}*weight` whose last axis is not 1 (mlx-lm's rule).
 pub fn conv_to_mlx(weights: &mut WeightMap, marker: &str) -> Result<()> {
     weights.update_where(
-        |n, a| n.contains(marker) && n.ends_with("weight") && a.ndim() == 3 && a.shape()[2] != 1,
+        |n, s| n.contains(marker) && n.ends_with("weight") && s.len() == 3 && s[2] != 1,
         |a| Ok(ops::move_axis(a, 2, 1)?),
     )
 }
@@ -32,15 +32,15 @@ pub fn has_torch_conv(weights: &WeightMap, marker: &str) -> bool {
         n.contains(marker)
             && n.ends_with("weight")
             && weights
-                .get(n)
-                .is_some_and(|a| a.ndim() == 3 && a.shape()[2] != 1)
+                .shape_of(n)
+                .is_some_and(|s| s.len() == 3 && s[2] != 1)
     })
 }
 
 /// Adds 1 to 1-D norm weights stored as offsets (HF Qwen3-Next/3.5).
 pub fn norm_plus_one(weights: &mut WeightMap, suffixes: &[&str]) -> Result<()> {
     weights.update_where(
-        |n, a| a.ndim() == 1 && suffixes.iter().any(|s| n.ends_with(s)),
+        |n, s| s.len() == 1 && suffixes.iter().any(|x| n.ends_with(x)),
         |a| Ok(ops::add(a, mlex_core::nn::scalar(1.0, a.dtype())?)?),
     )
 }
@@ -62,7 +62,7 @@ pub fn stack_experts(
         let mut file = 0;
         for e in 0..experts {
             let name = format!("{prefix}.experts.{e}.{from}.weight");
-            let (a, f) = weights.remove(&name).ok_or_else(|| Error::MissingTensor {
+            let (a, f) = weights.remove(&name)?.ok_or_else(|| Error::MissingTensor {
                 name: name.clone(),
                 files: weights.files().to_vec(),
                 nearest: mlex_core::weights::nearest_names(&name, &weights.names(), 3),
@@ -83,7 +83,7 @@ pub fn stack_experts(
 /// and `experts.down_proj`; split into `switch_mlp.{gate,up,down}_proj`.
 pub fn split_gate_up(weights: &mut WeightMap, prefix: &str) -> Result<()> {
     let key = format!("{prefix}.experts.gate_up_proj");
-    let Some((gate_up, file)) = weights.remove(&key) else {
+    let Some((gate_up, file)) = weights.remove(&key)? else {
         return Ok(());
     };
     let mid = gate_up.shape()[gate_up.ndim() - 2] / 2;
@@ -98,7 +98,7 @@ pub fn split_gate_up(weights: &mut WeightMap, prefix: &str) -> Result<()> {
         file,
     );
     let down = format!("{prefix}.experts.down_proj");
-    let (d, f) = weights.remove(&down).ok_or_else(|| Error::MissingTensor {
+    let (d, f) = weights.remove(&down)?.ok_or_else(|| Error::MissingTensor {
         name: down.clone(),
         files: weights.files().to_vec(),
         nearest: mlex_core::weights::nearest_names(&down, &weights.names(), 3),

@@ -29,12 +29,12 @@
 //! quantization groups when a head's width is a multiple of the group;
 //! otherwise that one tensor is dequantized to float32.
 
+use super::lazy::Tensor;
 use super::{bad, quantization_config, read_tokenizer, GgufCheckpoint, Meta};
-use crate::gguf_file::{self, GgufHeader, MetaValue, TensorData};
+use crate::gguf_file::{GgufHeader, MetaValue, TensorData};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
 use mlex_core::weights::WeightMap;
-use mlx_rs::{ops, Array, Dtype};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -76,130 +76,6 @@ impl Family {
     }
 }
 
-/// A tensor as [`gguf_file::read_tensor`] gives it; the methods below are
-/// the reorders this module needs.
-type Tensor = TensorData;
-
-fn indices(idx: &[i32]) -> Array {
-    Array::from_slice(idx, &[idx.len() as i32])
-}
-
-impl TensorData {
-    /// Its logical shape (unpacked).
-    fn shape(&self) -> Vec<i32> {
-        match self {
-            Tensor::Dense(a) => a.shape().to_vec(),
-            Tensor::Affine { scales, group, .. } => {
-                let mut s = scales.shape().to_vec();
-                let last = s.len() - 1;
-                s[last] *= group;
-                s
-            }
-        }
-    }
-
-    /// Float32 values.
-    fn dense(&self) -> Result<Array> {
-        Ok(match self {
-            Tensor::Dense(a) => a.as_dtype(Dtype::Float32)?,
-            Tensor::Affine {
-                weight,
-                scales,
-                biases,
-                bits,
-                group,
-            } => {
-                // Float32 scales: d * q of a Q8_0 block needs up to 18 bits,
-                // more than float16 holds.
-                let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
-                ops::dequantize(weight, f32(scales)?, Some(&f32(biases)?), *group, *bits)?
-            }
-        })
-    }
-
-    /// Gathers output rows (the second-to-last axis; the only axis of a
-    /// 1-D tensor): row `i` of the result is row `idx[i]`. With `whole`,
-    /// `idx` must be a reordering of every row (else a subset). An index
-    /// past the end is an error naming the tensor: MLX's gather does not
-    /// check.
-    fn rows(&self, idx: &[i32], whole: bool, name: &str, path: &Path) -> Result<Tensor> {
-        let shape = self.shape();
-        let n = shape[shape.len().saturating_sub(2).min(shape.len() - 1)];
-        if idx.iter().any(|&i| i < 0 || i >= n) || (whole && idx.len() != n as usize) {
-            return Err(bad(
-                path,
-                format!(
-                    "tensor `{name}` has {n} rows along its output axis (shape {shape:?}); the metadata's head counts and sizes need {}",
-                    idx.len()
-                ),
-            ));
-        }
-        let ix = indices(idx);
-        let axis = |a: &Array| (a.ndim() as i32 - 2).max(0);
-        Ok(match self {
-            Tensor::Dense(a) => Tensor::Dense(a.take_axis(&ix, axis(a))?),
-            Tensor::Affine {
-                weight,
-                scales,
-                biases,
-                bits,
-                group,
-            } => Tensor::Affine {
-                weight: weight.take_axis(&ix, axis(weight))?,
-                scales: scales.take_axis(&ix, axis(scales))?,
-                biases: biases.take_axis(&ix, axis(biases))?,
-                bits: *bits,
-                group: *group,
-            },
-        })
-    }
-
-    /// Permutes blocks of `block` input columns (the last axis): block `b`
-    /// of the result is block `perm[b]`.
-    fn column_blocks(&self, perm: &[i32], block: i32, name: &str, path: &Path) -> Result<Tensor> {
-        let shape = self.shape();
-        if shape.len() < 2 || shape[shape.len() - 1] != perm.len() as i32 * block {
-            return Err(bad(
-                path,
-                format!(
-                    "tensor `{name}` has shape {shape:?}; the metadata's value heads need {} input columns",
-                    perm.len() as i32 * block
-                ),
-            ));
-        }
-        let spread = |width: i32| -> Vec<i32> {
-            perm.iter()
-                .flat_map(|&p| (0..width).map(move |d| p * width + d))
-                .collect()
-        };
-        Ok(match self {
-            Tensor::Dense(a) => Tensor::Dense(a.take_axis(indices(&spread(block)), -1)?),
-            Tensor::Affine {
-                weight,
-                scales,
-                biases,
-                bits,
-                group,
-            } if block % group == 0 && (block * bits) % 32 == 0 => Tensor::Affine {
-                weight: weight.take_axis(indices(&spread(block * bits / 32)), -1)?,
-                scales: scales.take_axis(indices(&spread(block / group)), -1)?,
-                biases: biases.take_axis(indices(&spread(block / group)), -1)?,
-                bits: *bits,
-                group: *group,
-            },
-            Tensor::Affine { .. } => {
-                Tensor::Dense(self.dense()?.take_axis(indices(&spread(block)), -1)?)
-            }
-        })
-    }
-
-    /// A dense value transform (norms, `A_log`, convs are float32 in
-    /// llama.cpp's files; a quantized one is dequantized first).
-    fn map(&self, f: impl FnOnce(Array) -> Result<Array>) -> Result<Tensor> {
-        Ok(Tensor::Dense(f(self.dense()?)?))
-    }
-}
-
 /// Row indices that put tiled value heads (slot `j * nk + g`) back in
 /// grouped order (head `g * r + j`), `hd` rows per head, after `offset`
 /// rows kept in place.
@@ -215,7 +91,7 @@ fn untile(offset: i32, nk: i32, r: i32, hd: i32) -> Vec<i32> {
 /// Row indices undoing llama.cpp's rotary interleave of q/k rows
 /// (`LlamaModel.permute`): row `p * hd / 2 + i` of a head came from row
 /// `2 * i + p`.
-fn unpermute(rows: i32, heads: i32) -> Vec<i32> {
+pub(super) fn unpermute(rows: i32, heads: i32) -> Vec<i32> {
     let hd = rows / heads;
     let half = hd / 2;
     (0..rows)
@@ -344,26 +220,8 @@ impl Out {
     fn put(&mut self, module: &str, t: Tensor, ty: &str, suffix: &str) {
         self.types
             .push((format!("{module}.{suffix}"), ty.to_owned()));
-        match t {
-            Tensor::Dense(a) => {
-                self.weights
-                    .insert(format!("{module}.{suffix}"), a, self.file);
-            }
-            Tensor::Affine {
-                weight,
-                scales,
-                biases,
-                bits,
-                group,
-            } => {
-                self.weights
-                    .insert(format!("{module}.weight"), weight, self.file);
-                self.weights
-                    .insert(format!("{module}.scales"), scales, self.file);
-                self.weights
-                    .insert(format!("{module}.biases"), biases, self.file);
-                self.quant.insert(module.to_owned(), (bits, group));
-            }
+        if let Some(q) = t.put(&mut self.weights, self.file, module, suffix) {
+            self.quant.insert(module.to_owned(), q);
         }
     }
 }
@@ -380,10 +238,9 @@ pub(super) fn load(
         arch: family.arch(),
     };
     let tokenizer = read_tokenizer(meta)?;
-    let mut file = std::fs::File::open(path).map_err(|e| mlex_core::error::Error::io(path, e))?;
     let mut map = BTreeMap::new();
     for t in &header.tensors {
-        let tensor = gguf_file::read_tensor(&mut file, t, path)?;
+        let tensor = Tensor::open(path, t);
         if tensor.shape().contains(&0) || tensor.shape().is_empty() {
             return Err(bad(
                 path,
@@ -614,9 +471,13 @@ fn qwen(
             );
         }
         if let Some((t, ty)) = tensors.take(&b("ffn_gate_inp_shexp.weight")) {
-            let t = match t {
-                Tensor::Dense(a) if a.ndim() == 1 => Tensor::Dense(a.reshape(&[1, -1])?),
-                other => other,
+            // A 1-D gate (some converters) is the `[1, H]` linear it is.
+            let t = match t.shape().len() {
+                1 => match t.ready()? {
+                    TensorData::Dense(a) => Tensor::Ready(TensorData::Dense(a.reshape(&[1, -1])?)),
+                    other => Tensor::Ready(other),
+                },
+                _ => t,
             };
             out.put(&format!("{l}.mlp.shared_expert_gate"), t, &ty, "weight");
         }

@@ -12,12 +12,12 @@
 //! is read, so a truncated or corrupt GGUF is an error naming it.
 
 mod hybrid;
+mod lazy;
 
 use crate::gguf_file::{self, MetaValue};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::{Error, Result};
 use mlex_core::weights::WeightMap;
-use mlx_rs::{ops, Array};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -226,18 +226,6 @@ fn rename(module: &str) -> Option<String> {
     Some(format!("model.layers.{n}.{to}"))
 }
 
-/// Inverse of llama.cpp's `permute` of Q/K rows: rows are `[heads, 2, d/2]`
-/// interleaved as `[heads, d/2, 2]` in the file.
-fn unpermute(a: &Array, heads: i32) -> Result<Array> {
-    let s = a.shape().to_vec();
-    let rows = s[0];
-    let half = rows / heads / 2;
-    let mut shape = vec![heads, half, 2];
-    shape.extend_from_slice(&s[1..]);
-    let r = ops::reshape(a, &shape)?.swap_axes(1, 2)?;
-    Ok(ops::reshape(&r, &s)?)
-}
-
 /// The tokenizer metadata of a GGUF file.
 fn read_tokenizer(meta: &Meta) -> Result<GgufTokenizer> {
     Ok(GgufTokenizer {
@@ -276,11 +264,6 @@ fn quantization_config(quant: &BTreeMap<String, (i32, i32)>) -> Option<Value> {
 /// Reads a GGUF file of a family mlex knows.
 pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     let header = gguf_file::read_header(path)?;
-    let file_types: BTreeMap<String, String> = header
-        .tensors
-        .iter()
-        .map(|t| (t.name.clone(), t.ty.name().to_owned()))
-        .collect();
     let mut tensor_types = Vec::new();
     let meta = Meta {
         meta: &header.meta,
@@ -341,24 +324,6 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     let context = meta.i64(&k("context_length"))?;
     let tokenizer = read_tokenizer(&meta)?;
 
-    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut raw: Vec<(String, Array)> = Vec::new();
-    for t in &header.tensors {
-        let module = t.name.strip_suffix(".weight").unwrap_or(&t.name);
-        match gguf_file::read_tensor(&mut file, t, path)? {
-            gguf_file::TensorData::Dense(a) => raw.push((t.name.clone(), a)),
-            gguf_file::TensorData::Affine {
-                weight,
-                scales,
-                biases,
-                ..
-            } => {
-                raw.push((t.name.clone(), weight));
-                raw.push((format!("{module}.scales"), scales));
-                raw.push((format!("{module}.biases"), biases));
-            }
-        }
-    }
     let mut weights = WeightMap::new();
     let file = weights.add_file(path.to_owned());
     // module → (bits, group) for quantized tensors
@@ -366,12 +331,14 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     let mut vocab = 0;
     let mut tied = true;
     let mut rope_factors: Option<Vec<f32>> = None;
-    for (name, array) in raw {
+    for t in &header.tensors {
+        let name = &t.name;
+        let tensor = lazy::Tensor::open(path, t);
         if name == "rope_freqs.weight" {
             // Llama 3.1+: llama.cpp stores the RoPE frequency factors it
             // derived from `rope_scaling` instead of the scaling itself.
-            let f = array
-                .as_dtype(mlx_rs::Dtype::Float32)
+            let f = tensor
+                .dense()
                 .and_then(|a| {
                     a.eval()?;
                     Ok(a.as_slice::<f32>().to_vec())
@@ -400,22 +367,17 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         if target == "lm_head" {
             tied = false;
         }
-        if suffix == "weight" || suffix == "bias" {
-            if let Some(ty) = file_types.get(&name) {
-                tensor_types.push((format!("{target}.{suffix}"), ty.clone()));
-            }
-        }
-        if array.ndim() == 0 || array.shape().contains(&0) {
+        tensor_types.push((format!("{target}.{suffix}"), t.ty.name().to_owned()));
+        let shape = tensor.shape();
+        if shape.is_empty() || shape.contains(&0) {
             return Err(bad(
                 path,
-                format!("tensor `{name}` has the empty shape {:?}", array.shape()),
+                format!("tensor `{name}` has the empty shape {shape:?}"),
             ));
         }
-        let mut a = array;
         // llama.cpp's converter interleaves Q and K rows for llama only;
         // the Qwen families keep Hugging Face's layout.
-        let permuted = family == Family::Llama;
-        let rotary = if !permuted {
+        let rotary = if family != Family::Llama {
             None
         } else if module.ends_with("attn_q") {
             Some(heads)
@@ -424,38 +386,25 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         } else {
             None
         };
-        if let Some(h) = rotary.filter(|h| a.shape()[0] as i64 % (2 * h) != 0) {
-            return Err(bad(
-                path,
-                format!(
-                    "tensor `{name}`: {} rows do not split into {h} heads of rotary pairs",
-                    a.shape()[0]
-                ),
-            ));
-        }
-        if permuted && module.ends_with("attn_q") {
-            a = unpermute(&a, heads as i32)?;
-        } else if permuted && module.ends_with("attn_k") {
-            a = unpermute(&a, kv_heads as i32)?;
-        }
+        let tensor = match rotary {
+            Some(h) if shape[0] as i64 % (2 * h) != 0 => {
+                return Err(bad(
+                    path,
+                    format!(
+                        "tensor `{name}`: {} rows do not split into {h} heads of rotary pairs",
+                        shape[0]
+                    ),
+                ))
+            }
+            Some(h) => tensor.rows(&hybrid::unpermute(shape[0], h as i32), true, name, path)?,
+            None => tensor,
+        };
         if target == "model.embed_tokens" {
-            vocab = a.shape()[0];
+            vocab = shape[0];
         }
-        weights.insert(format!("{target}.{suffix}"), a, file);
-        if suffix == "scales" {
-            quant.entry(target).or_insert((0, 0));
+        if let Some(q) = tensor.put(&mut weights, file, &target, suffix) {
+            quant.insert(target, q);
         }
-    }
-    // Bits and group of each quantized module from its packed shapes.
-    for (module, spec) in quant.iter_mut() {
-        let w = weights
-            .get(&format!("{module}.weight"))
-            .ok_or_else(|| bad(path, format!("{module} has scales but no weight")))?;
-        let s = weights.get(&format!("{module}.scales")).expect("present");
-        let group = 32;
-        let in_features = i64::from(s.shape()[s.ndim() - 1]) * i64::from(group);
-        let packed = i64::from(w.shape()[w.ndim() - 1]);
-        *spec = ((packed * 32 / in_features.max(1)) as i32, group);
     }
     let mut config = Map::new();
     config.insert("model_type".into(), json!(family.model_type()));
@@ -485,11 +434,7 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         config.insert("norm_topk_prob".into(), json!(true));
         // Layers without a router are llama.cpp's dense ones.
         let dense: Vec<i64> = (0..layers)
-            .filter(|i| {
-                weights
-                    .get(&format!("model.layers.{i}.mlp.gate.weight"))
-                    .is_none()
-            })
+            .filter(|i| !weights.contains(&format!("model.layers.{i}.mlp.gate.weight")))
             .collect();
         config.insert("mlp_only_layers".into(), json!(dense));
     }

@@ -586,6 +586,11 @@ pub struct LogitsArgs {
     /// Split the model across N ranks (see `mlex generate --tp`).
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub tp: u32,
+    /// The checkpoint's multi-token-prediction head's logits instead: row
+    /// j predicts token j + 2 from the trunk's state at j and token j + 1
+    /// (`[T - 1, V]`, what `--mtp` drafts first).
+    #[arg(long)]
+    pub mtp: bool,
 }
 
 #[derive(Args, Debug)]

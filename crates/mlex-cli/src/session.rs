@@ -49,7 +49,7 @@ pub fn load_model(spec: &str, registry: &Registry, dispatch: &Dispatch) -> Resul
 }
 
 /// [`load_model`], with the multi-token-prediction head when `mtp`.
-fn load_model_mtp(
+pub fn load_model_mtp(
     spec: &str,
     registry: &Registry,
     dispatch: &Dispatch,

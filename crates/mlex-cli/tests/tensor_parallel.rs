@@ -41,6 +41,11 @@ fn model_path(f: &Fixture) -> PathBuf {
 
 /// `mlex logits` of the reference prompt on `tp` ranks.
 fn logits(f: &Fixture, prompt: &[i32], tp: u32) -> Vec<f32> {
+    logits_with(f, prompt, tp, &[])
+}
+
+/// [`logits`] with `extra` arguments (`--mtp`: the head's logits).
+fn logits_with(f: &Fixture, prompt: &[i32], tp: u32, extra: &[&str]) -> Vec<f32> {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("l.npy");
     mlex(f)
@@ -54,6 +59,7 @@ fn logits(f: &Fixture, prompt: &[i32], tp: u32) -> Vec<f32> {
             "--out",
         ])
         .arg(&out)
+        .args(extra)
         .assert()
         .success();
     to_f32(&mlx_rs::Array::load_numpy(&out).unwrap())
@@ -300,6 +306,110 @@ fn each_rank_reads_about_its_part_of_a_gguf_file() {
             "{name}: rank 0 read {r2} bytes of a {size}-byte file (one device: {r1})"
         );
     }
+}
+
+#[test]
+fn the_mtp_head_under_two_ranks_equals_one_device_and_its_reference() {
+    // The head's layers split as the trunk's do (`fc` and its norms stay
+    // whole): its logits on two ranks match the composed reference
+    // (`xtask/py/mtp_ref.py`) as one device's do and one device's own, and
+    // drafting with it under --tp gives one device's tokens and rounds.
+    for name in [
+        "qwen3_5-mtp-hf",
+        "qwen3_next-mtp-hf",
+        "gguf-qwen3_5-mtp-f32",
+    ] {
+        let f = fixture(name);
+        let r: std::collections::HashMap<String, mlx_rs::Array> = mlx_rs::Array::load_safetensors(
+            fixtures_dir().join(f.mtp_reference.as_ref().expect("an MTP fixture")),
+        )
+        .unwrap();
+        let prompt: Vec<i32> = to_f32(&r["prompt"]).iter().map(|&t| t as i32).collect();
+        let want = to_f32(&r["mtp_logits"]);
+        let one = logits_with(&f, &prompt, 1, &["--mtp"]);
+        let two = logits_with(&f, &prompt, 2, &["--mtp"]);
+        let (d, m) = max_diff(&two, &want);
+        assert!(
+            d <= 1e-4 * m.max(1.0),
+            "{name}: 2 ranks differ from the reference by {d} (largest {m})"
+        );
+        let (d, m) = max_diff(&two, &one);
+        assert!(
+            d <= 1e-5 * m.max(1.0),
+            "{name}: 2 ranks differ from one device by {d} (largest {m})"
+        );
+        let run = |tp: u32| -> Value {
+            let out = mlex(&f)
+                .args([
+                    "generate",
+                    "--mtp",
+                    "--temp",
+                    "0",
+                    "--max-tokens",
+                    "24",
+                    "--format",
+                    "json",
+                ])
+                .args([
+                    "--prompt-ids",
+                    &ids_arg(&prompt),
+                    "--tp",
+                    &tp.to_string(),
+                    "--model",
+                ])
+                .arg(model_path(&f))
+                .assert()
+                .success()
+                .get_output()
+                .stdout
+                .clone();
+            let text = String::from_utf8_lossy(&out).into_owned();
+            serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap()
+        };
+        let (a, b) = (run(1), run(2));
+        assert_eq!(a["token_ids"], b["token_ids"], "{name}");
+        assert_eq!(b["speculative"]["drafter"], "mtp", "{name}");
+        for k in ["rounds", "proposed", "accepted"] {
+            assert_eq!(a["speculative"][k], b["speculative"][k], "{name}: {k}");
+        }
+    }
+    // In a batch too (`--prompts-file`): each row drafts from its own states.
+    let f = fixture("qwen3_5-mtp-hf");
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("p.txt");
+    std::fs::write(&prompts, "1 2 3 4 5\n7 8 9\n10 11 12 13 14 15\n").unwrap();
+    let rows = |tp: u32| -> Vec<(Value, Value)> {
+        let out = mlex(&f)
+            .args([
+                "generate",
+                "--mtp",
+                "--ids",
+                "--max-tokens",
+                "12",
+                "--format",
+                "json",
+            ])
+            .args(["--tp", &tp.to_string(), "--prompts-file"])
+            .arg(&prompts)
+            .arg("--model")
+            .arg(model_path(&f))
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        let mut v: Vec<Value> = String::from_utf8_lossy(&out)
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        v.sort_by_key(|x| x["index"].as_u64());
+        v.iter()
+            .map(|x| (x["token_ids"].clone(), x["speculative"]["rounds"].clone()))
+            .collect()
+    };
+    let one = rows(1);
+    assert_eq!(one.len(), 3);
+    assert_eq!(rows(2), one);
 }
 
 #[test]

@@ -305,18 +305,6 @@ impl Shard {
     }
 }
 
-/// The multi-token-prediction head is not split yet: an error under a
-/// shard.
-pub fn refuse_mtp(shard: Option<&Shard>) -> Result<()> {
-    match shard {
-        None => Ok(()),
-        Some(_) => Err(Error::invalid(
-            "--tp",
-            "the multi-token-prediction head (--mtp) cannot be split across ranks yet",
-        )),
-    }
-}
-
 /// How the tensors a layer takes inside a split scope of the
 /// [`WeightLoader`](crate::weights::WeightLoader) are cut across ranks.
 /// Shapes given to the loader in a scope are this rank's; the checkpoint

@@ -286,7 +286,6 @@ impl Model {
         };
         let mtp = match &plan.mtp {
             Some(m) if !m.layers.is_empty() && ld.has(&format!("{}.fc.weight", m.prefix)) => {
-                crate::distributed::refuse_mtp(dispatch.tensor_parallel.as_ref())?;
                 Some(crate::mtp::MtpHead::build(
                     m,
                     &mut ld,

@@ -69,10 +69,17 @@ impl MtpHead {
                 weights: ld,
                 registry,
             };
+            let layer = kind.build(&mut ctx)?;
+            // Under --tp the head's layers split as the trunk's do (heads,
+            // experts' width; `fc` and the norms stay whole): every rank
+            // drafts the same tokens, through the same collectives.
+            if let Some(shard) = ld.shard() {
+                shard.check_built(index, lp, "the MTP head", &*layer)?;
+            }
             layers.push(LayerSlot {
                 kind: lp.name.clone(),
                 prefix: lp.prefix.clone(),
-                layer: Arc::from(kind.build(&mut ctx)?),
+                layer: Arc::from(layer),
             });
         }
         Ok(Self {

@@ -1,7 +1,7 @@
 //! `mlex logits`: one full forward, float32 logits of every position.
 
 use crate::args::LogitsArgs;
-use crate::session::load_model;
+use crate::session::load_model_mtp;
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlx_rs::{Array, Dtype};
@@ -24,7 +24,7 @@ pub fn run(a: LogitsArgs, registry: &Registry) -> Result<()> {
     let mut dispatch = crate::session::dispatch(None)?;
     dispatch.tensor_parallel = crate::session::tensor_parallel(a.tp)?;
     let rank = dispatch.tensor_parallel.as_ref().map_or(0, |s| s.rank());
-    let loaded = load_model(&a.model, registry, &dispatch)?;
+    let loaded = load_model_mtp(&a.model, registry, &dispatch, a.mtp)?;
     let model = &loaded.model;
     let vocab = model.vocab_size() as u32;
     if let Some(bad) = a.prompt_ids.iter().find(|&&t| t >= vocab) {
@@ -45,7 +45,11 @@ pub fn run(a: LogitsArgs, registry: &Registry) -> Result<()> {
     let ids: Vec<i32> = a.prompt_ids.iter().map(|&t| t as i32).collect();
     let tokens = Array::from_slice(&ids, &[1, ids.len() as i32]);
     let mut cache = model.make_cache(1)?;
-    let logits = model.forward(&tokens, &mut cache)?;
+    let logits = if a.mtp {
+        mtp_logits(model, &tokens, &mut cache)?
+    } else {
+        model.forward(&tokens, &mut cache)?
+    };
     let logits = mlx_rs::ops::squeeze_axes(&logits.as_dtype(Dtype::Float32)?, &[0])?;
     logits.eval()?;
     if rank != 0 {
@@ -55,6 +59,32 @@ pub fn run(a: LogitsArgs, registry: &Registry) -> Result<()> {
     logits
         .save_numpy(&a.out)
         .map_err(|e| Error::Other(format!("{}: {e}", a.out.display())))?;
-    eprintln!("wrote {} [{}, {}]", a.out.display(), ids.len(), vocab);
+    eprintln!("wrote {} {:?}", a.out.display(), logits.shape());
     Ok(())
+}
+
+/// The multi-token-prediction head's logits over `tokens` `[1, T]`: its
+/// row j reads the trunk's normed state at j and token j + 1.
+fn mtp_logits(
+    model: &mlex_core::model::Model,
+    tokens: &Array,
+    cache: &mut mlex_core::model::ModelCache,
+) -> Result<Array> {
+    use mlx_rs::ops::indexing::TryIndexOp;
+    let t = tokens.shape()[1];
+    if t < 2 {
+        return Err(Error::invalid(
+            "--prompt-ids",
+            "--mtp needs at least 2 prompt ids (the head reads a state and the token after it)",
+        ));
+    }
+    let head = model
+        .mtp
+        .as_ref()
+        .ok_or_else(|| Error::invalid("--mtp", "the model was loaded without its head"))?;
+    let (_, normed, _) = model.verify_normed(tokens, cache)?;
+    let mut caches = head.make_caches(model, 1)?;
+    let hidden = normed.try_index((.., ..t - 1, ..))?;
+    let next = tokens.try_index((.., 1..))?;
+    Ok(model.mtp_rows(&hidden, &next, &mut caches)?.0)
 }

@@ -78,6 +78,14 @@ impl Layer for GatedMlp {
     fn make_caches(&self, _batch: usize, _dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         Ok(Vec::new())
     }
+    /// Under `--tp` this layer runs whole on every rank: its weights are
+    /// loaded outside the loader's split scopes (so every rank holds all of
+    /// them) and its input is the same on every rank, so its output is too.
+    /// A kind that splits its weights takes them in a split scope instead
+    /// and sums its row-split product over the ranks (mlex's `attention`).
+    fn unsharded(&self) -> Option<String> {
+        None
+    }
     fn before_cache(&self, p: &Params, x: &Array, _state: &mut State<'_>) -> Result<Carry> {
         let y = self.up.forward(p, &self.norm.forward(p, x)?)?;
         let g = ops::sigmoid(p.get(self.gate)?)?;
@@ -192,6 +200,10 @@ impl Layer for Ema {
     }
     fn grows(&self) -> bool {
         false
+    }
+    /// Whole on every rank, its state too (see `GatedMlp`'s).
+    fn unsharded(&self) -> Option<String> {
+        None
     }
     fn make_caches(&self, batch: usize, _dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         let spec = StateSpec::new("h", &[batch as i32, self.hidden], Dtype::Float32);

@@ -32,6 +32,78 @@ fn the_example_binary_lists_its_registrations() {
     assert!(text.contains("mlex_example_ext"), "origins: {text}");
 }
 
+/// A toy_ext checkpoint on disk: hidden 32, vocabulary 50, 4 layers.
+fn toy_checkpoint(dir: &std::path::Path) {
+    let (hidden, vocab, layers) = (32, 50, 4);
+    std::fs::write(
+        dir.join("config.json"),
+        json!({"model_type": "toy_ext", "hidden_size": hidden, "vocab_size": vocab,
+               "num_hidden_layers": layers, "num_attention_heads": 4, "rms_norm_eps": 1e-6})
+        .to_string(),
+    )
+    .unwrap();
+    let tensors = common::toy_tensors(hidden, vocab, layers);
+    Array::save_safetensors(
+        tensors.iter().map(|(n, a)| (n.as_str(), a)),
+        &HashMap::<String, String>::new(),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+}
+
+#[test]
+fn the_example_architecture_under_two_ranks_equals_one_device() {
+    // mlex's attention layers split their heads; the example's own
+    // `gated_mlp` runs whole on every rank (`unsharded` is None).
+    let dir = tempfile::tempdir().unwrap();
+    toy_checkpoint(dir.path());
+    let logits = |tp: &str| -> Vec<f32> {
+        let out = dir.path().join(format!("l{tp}.npy"));
+        cli()
+            .args([
+                "logits",
+                "--prompt-ids",
+                "3,1,4,1,5,9,2,6",
+                "--tp",
+                tp,
+                "--out",
+            ])
+            .arg(&out)
+            .arg("--model")
+            .arg(dir.path())
+            .assert()
+            .success();
+        mlex_testkit::to_f32(&Array::load_numpy(&out).unwrap())
+    };
+    let (one, two) = (logits("1"), logits("2"));
+    assert_eq!(one.len(), 8 * 50);
+    let scale = one.iter().fold(1f32, |m, v| m.max(v.abs()));
+    let diff = one
+        .iter()
+        .zip(&two)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        diff <= 1e-5 * scale,
+        "two ranks differ by {diff} (largest {scale})"
+    );
+    let ids = |tp: &str| -> Value {
+        let out = cli()
+            .args(["generate", "--prompt-ids", "3,1,4,1,5", "--max-tokens", "8"])
+            .args(["--temp", "0", "--format", "json", "--tp", tp, "--model"])
+            .arg(dir.path())
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        let text = String::from_utf8_lossy(&out).into_owned();
+        let v: Value =
+            serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap();
+        v["token_ids"].clone()
+    };
+    assert_eq!(ids("2"), ids("1"));
+}
+
 #[test]
 fn the_example_binary_generates_with_its_architecture() {
     let dir = tempfile::tempdir().unwrap();

@@ -204,11 +204,19 @@ pub fn launch(n: u32) -> Result<()> {
                     Stdio::inherit()
                 } else {
                     Stdio::null()
+                })
+                .stderr(if rank == 0 {
+                    Stdio::inherit()
+                } else {
+                    Stdio::piped()
                 });
             die_with_parent(&mut cmd);
-            let child = cmd
+            let mut child = cmd
                 .spawn()
                 .map_err(|e| Error::Other(format!("--tp {n}: cannot start rank {rank}: {e}")))?;
+            if let Some(err) = child.stderr.take() {
+                forward_failures(err);
+            }
             children.push(child);
         }
         // A signal to the launcher goes on to rank 0 (which stops or
@@ -219,6 +227,24 @@ pub fn launch(n: u32) -> Result<()> {
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// Passes on what a rank other than 0 says on stderr that only it can say
+/// (a warning; an error or a panic, with every line after it: the rank is
+/// failing) and drops the progress and summary lines that rank 0 prints as
+/// well.
+fn forward_failures(err: std::process::ChildStderr) {
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let failing = ["error", "Error", "thread '", "terminate", "libc++abi"];
+        let mut failed = false;
+        for line in std::io::BufReader::new(err).lines().map_while(|l| l.ok()) {
+            failed |= failing.iter().any(|p| line.starts_with(p));
+            if failed || line.starts_with("warning") {
+                eprintln!("{line}");
+            }
+        }
+    });
 }
 
 /// Each rank's MLX variables.

@@ -67,6 +67,16 @@ fn logits_with(f: &Fixture, prompt: &[i32], tp: u32, extra: &[&str]) -> Vec<f32>
 
 /// Greedy token ids of `mlex generate` on `tp` ranks.
 fn greedy_ids(f: &Fixture, prompt: &[i32], tp: u32, extra: &[&str]) -> Vec<i64> {
+    greedy_json(f, prompt, tp, extra)["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect()
+}
+
+/// The JSON report of a greedy `mlex generate` of 16 tokens on `tp` ranks.
+fn greedy_json(f: &Fixture, prompt: &[i32], tp: u32, extra: &[&str]) -> Value {
     let out = mlex(f)
         .args(["generate", "--model"])
         .arg(model_path(f))
@@ -85,13 +95,7 @@ fn greedy_ids(f: &Fixture, prompt: &[i32], tp: u32, extra: &[&str]) -> Vec<i64> 
         .rev()
         .find(|l| l.starts_with('{'))
         .expect("a JSON line");
-    let v: Value = serde_json::from_str(line).unwrap();
-    v["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_i64().unwrap())
-        .collect()
+    serde_json::from_str(line).unwrap()
 }
 
 /// Two ranks give one device's greedy tokens (compiled and eager) and its
@@ -338,34 +342,7 @@ fn the_mtp_head_under_two_ranks_equals_one_device_and_its_reference() {
             d <= 1e-5 * m.max(1.0),
             "{name}: 2 ranks differ from one device by {d} (largest {m})"
         );
-        let run = |tp: u32| -> Value {
-            let out = mlex(&f)
-                .args([
-                    "generate",
-                    "--mtp",
-                    "--temp",
-                    "0",
-                    "--max-tokens",
-                    "24",
-                    "--format",
-                    "json",
-                ])
-                .args([
-                    "--prompt-ids",
-                    &ids_arg(&prompt),
-                    "--tp",
-                    &tp.to_string(),
-                    "--model",
-                ])
-                .arg(model_path(&f))
-                .assert()
-                .success()
-                .get_output()
-                .stdout
-                .clone();
-            let text = String::from_utf8_lossy(&out).into_owned();
-            serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap()
-        };
+        let run = |tp: u32| greedy_json(&f, &prompt, tp, &["--mtp"]);
         let (a, b) = (run(1), run(2));
         assert_eq!(a["token_ids"], b["token_ids"], "{name}");
         assert_eq!(b["speculative"]["drafter"], "mtp", "{name}");

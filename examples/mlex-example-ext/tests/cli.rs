@@ -107,21 +107,8 @@ fn the_example_architecture_under_two_ranks_equals_one_device() {
 #[test]
 fn the_example_binary_generates_with_its_architecture() {
     let dir = tempfile::tempdir().unwrap();
-    let (hidden, vocab, layers) = (32, 50, 4);
-    std::fs::write(
-        dir.path().join("config.json"),
-        json!({"model_type": "toy_ext", "hidden_size": hidden, "vocab_size": vocab,
-               "num_hidden_layers": layers, "num_attention_heads": 4, "rms_norm_eps": 1e-6})
-        .to_string(),
-    )
-    .unwrap();
-    let tensors = common::toy_tensors(hidden, vocab, layers);
-    Array::save_safetensors(
-        tensors.iter().map(|(n, a)| (n.as_str(), a)),
-        &HashMap::<String, String>::new(),
-        dir.path().join("model.safetensors"),
-    )
-    .unwrap();
+    toy_checkpoint(dir.path());
+    let vocab = 50;
     let out = cli()
         .args([
             "generate",

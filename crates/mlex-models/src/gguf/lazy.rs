@@ -79,6 +79,23 @@ fn through(sel: Option<Vec<i32>>, map: Option<&Arc<Vec<i32>>>) -> Option<Vec<i32
     }
 }
 
+/// An error naming tensor `name` when `idx` is not rows of its output axis
+/// (the second-to-last; the only axis of a 1-D tensor), or with `whole`,
+/// not a reordering of every row: MLX's gather does not check.
+fn check_rows(shape: &[i32], idx: &[i32], whole: bool, name: &str, path: &Path) -> Result<()> {
+    let n = shape[shape.len().saturating_sub(2).min(shape.len() - 1)];
+    if idx.iter().any(|&i| i < 0 || i >= n) || (whole && idx.len() != n as usize) {
+        return Err(bad(
+            path,
+            format!(
+                "tensor `{name}` has {n} rows along its output axis (shape {shape:?}); the metadata's head counts and sizes need {}",
+                idx.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Runs of consecutive values: `(first, count)`.
 fn runs(v: &[u64]) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
@@ -135,16 +152,7 @@ impl Tensor {
     /// notes the reorder.
     pub(super) fn rows(&self, idx: &[i32], whole: bool, name: &str, path: &Path) -> Result<Tensor> {
         let shape = self.shape();
-        let n = shape[shape.len().saturating_sub(2).min(shape.len() - 1)];
-        if idx.iter().any(|&i| i < 0 || i >= n) || (whole && idx.len() != n as usize) {
-            return Err(bad(
-                path,
-                format!(
-                    "tensor `{name}` has {n} rows along its output axis (shape {shape:?}); the metadata's head counts and sizes need {}",
-                    idx.len()
-                ),
-            ));
-        }
+        check_rows(&shape, idx, whole, name, path)?;
         match self {
             Tensor::Lazy(l) if shape.len() >= 2 => {
                 let rows = through(Some(idx.to_vec()), l.rows.as_ref()).map(Arc::new);
@@ -488,34 +496,9 @@ impl TensorData {
     /// check.
     fn rows(&self, idx: &[i32], whole: bool, name: &str, path: &Path) -> Result<TensorData> {
         let shape = self.shape();
-        let n = shape[shape.len().saturating_sub(2).min(shape.len() - 1)];
-        if idx.iter().any(|&i| i < 0 || i >= n) || (whole && idx.len() != n as usize) {
-            return Err(bad(
-                path,
-                format!(
-                    "tensor `{name}` has {n} rows along its output axis (shape {shape:?}); the metadata's head counts and sizes need {}",
-                    idx.len()
-                ),
-            ));
-        }
+        check_rows(&shape, idx, whole, name, path)?;
         let ix = indices(idx);
-        let axis = |a: &Array| (a.ndim() as i32 - 2).max(0);
-        Ok(match self {
-            TensorData::Dense(a) => TensorData::Dense(a.take_axis(&ix, axis(a))?),
-            TensorData::Affine {
-                weight,
-                scales,
-                biases,
-                bits,
-                group,
-            } => TensorData::Affine {
-                weight: weight.take_axis(&ix, axis(weight))?,
-                scales: scales.take_axis(&ix, axis(scales))?,
-                biases: biases.take_axis(&ix, axis(biases))?,
-                bits: *bits,
-                group: *group,
-            },
-        })
+        self.each(|a, _| Ok(a.take_axis(&ix, (a.ndim() as i32 - 2).max(0))?))
     }
 
     /// Permutes blocks of `block` input columns (the last axis): block `b`
@@ -542,24 +525,42 @@ impl TensorData {
                 .flat_map(|&p| (0..width).map(move |d| p * width + d))
                 .collect()
         };
+        match self {
+            TensorData::Affine { bits, group, .. }
+                if block % group != 0 || (block * bits) % 32 != 0 =>
+            {
+                Ok(TensorData::Dense(
+                    self.dense()?.take_axis(indices(&spread(block)), -1)?,
+                ))
+            }
+            _ => self.each(|a, c| {
+                let width = match c {
+                    Comp::Dense => block,
+                    Comp::Weight(bits) => block * bits / 32,
+                    Comp::Scales | Comp::Biases => block / 32,
+                };
+                Ok(a.take_axis(indices(&spread(width)), -1)?)
+            }),
+        }
+    }
+
+    /// Each of its arrays through `f` (which is told which it is).
+    fn each(&self, f: impl Fn(&Array, Comp) -> Result<Array>) -> Result<TensorData> {
         Ok(match self {
-            TensorData::Dense(a) => TensorData::Dense(a.take_axis(indices(&spread(block)), -1)?),
+            TensorData::Dense(a) => TensorData::Dense(f(a, Comp::Dense)?),
             TensorData::Affine {
                 weight,
                 scales,
                 biases,
                 bits,
                 group,
-            } if block % group == 0 && (block * bits) % 32 == 0 => TensorData::Affine {
-                weight: weight.take_axis(indices(&spread(block * bits / 32)), -1)?,
-                scales: scales.take_axis(indices(&spread(block / group)), -1)?,
-                biases: biases.take_axis(indices(&spread(block / group)), -1)?,
+            } => TensorData::Affine {
+                weight: f(weight, Comp::Weight(*bits))?,
+                scales: f(scales, Comp::Scales)?,
+                biases: f(biases, Comp::Biases)?,
                 bits: *bits,
                 group: *group,
             },
-            TensorData::Affine { .. } => {
-                TensorData::Dense(self.dense()?.take_axis(indices(&spread(block)), -1)?)
-            }
         })
     }
 
@@ -572,15 +573,9 @@ impl TensorData {
     /// Keeps the columns `places` (of the last axis, in that order): whole
     /// quantization groups for an affine tensor.
     fn columns(self, places: &[i32], name: &str, path: &Path) -> Result<TensorData> {
-        match self {
+        match &self {
             TensorData::Dense(a) => Ok(TensorData::Dense(a.take_axis(indices(places), -1)?)),
-            TensorData::Affine {
-                weight,
-                scales,
-                biases,
-                bits,
-                group,
-            } => {
+            &TensorData::Affine { bits, group, .. } => {
                 let whole = places.len() as i32 % group == 0
                     && places.chunks(group as usize).all(|g| {
                         g[0] % group == 0
@@ -601,12 +596,13 @@ impl TensorData {
                     .iter()
                     .flat_map(|&x| (0..bits).map(move |w| x * bits + w))
                     .collect();
-                Ok(TensorData::Affine {
-                    weight: weight.take_axis(indices(&words), -1)?,
-                    scales: scales.take_axis(indices(&g), -1)?,
-                    biases: biases.take_axis(indices(&g), -1)?,
-                    bits,
-                    group,
+                self.each(|a, c| {
+                    let keep = if matches!(c, Comp::Weight(_)) {
+                        &words
+                    } else {
+                        &g
+                    };
+                    Ok(a.take_axis(indices(keep), -1)?)
                 })
             }
         }

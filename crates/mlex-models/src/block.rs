@@ -185,6 +185,32 @@ pub fn size(ctx: &BuildCtx<'_>, kind: &str, name: &str, v: i32) -> Result<i32> {
     })
 }
 
+/// A rank's share of `groups` groups of `members` each (Gated DeltaNet's
+/// key heads and the value heads that read them, Mamba2's B/C groups and
+/// their SSM heads) under `ctx`'s `--tp` shard, as `(groups, members,
+/// copies)`: whole groups a rank when the ranks divide them; else, where
+/// `share` allows it, the ranks a multiple of the groups and the members
+/// split evenly, one group held by `copies` consecutive ranks. `Err` with
+/// the rank count when neither.
+pub fn group_split(
+    ctx: &BuildCtx<'_>,
+    groups: i32,
+    members: i32,
+    share: bool,
+) -> std::result::Result<(i32, i32, usize), i32> {
+    let Some(shard) = ctx.weights.shard() else {
+        return Ok((groups, members, 1));
+    };
+    let n = shard.size() as i32;
+    if groups % n == 0 {
+        Ok((groups / n, members / n, 1))
+    } else if share && n % groups == 0 && members % n == 0 {
+        Ok((1, members / n, (n / groups) as usize))
+    } else {
+        Err(n)
+    }
+}
+
 /// The feed-forward of `kind` with sizes from `s`.
 fn ffn_spec(
     ctx: &BuildCtx<'_>,

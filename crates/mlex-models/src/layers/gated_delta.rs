@@ -12,7 +12,7 @@
 //! State: conv window `[B, K-1, C]` and recurrent state `[B, Hv, Dv, Dk]`;
 //! fixed size, so the whole mixer is one pure phase.
 
-use crate::block::size;
+use crate::block::{group_split, size};
 use mlex_cache::{conv_window_into, StateCache};
 use mlex_core::cache::Cache;
 use mlex_core::dispatch::Dispatch;
@@ -119,29 +119,20 @@ impl GatedDelta {
         // that read them (value head h reads key head h / (nv / nk)). With
         // fewer key heads than ranks (Qwen3.5's layout, whose q/k rows are
         // not interleaved with v), `k_copies` consecutive ranks share each.
-        let (nk, nv, k_copies) = match ctx.weights.shard() {
-            None => (nk, nv, 1),
-            Some(shard) => {
-                let n = shard.size() as i32;
-                if nk % n == 0 {
-                    (nk / n, nv / n, 1)
-                } else if n % nk == 0 && nv % n == 0 && o.layout == Layout::Qwen35 {
-                    (1, nv / n, (n / nk) as usize)
+        let qwen35 = o.layout == Layout::Qwen35;
+        let (nk, nv, k_copies) = group_split(ctx, nk, nv, qwen35).map_err(|n| {
+            Error::Other(format!(
+                "--tp {n}: gated_delta of layer {} ({}) cannot be split: {nk} key heads \
+                 (linear_num_key_heads) do not split into {n} equal parts{}",
+                ctx.index,
+                ctx.prefix,
+                if qwen35 {
+                    ""
                 } else {
-                    return Err(Error::Other(format!(
-                        "--tp {n}: gated_delta of layer {} ({}) cannot be split: {nk} key heads \
-                         (linear_num_key_heads) do not split into {n} equal parts{}",
-                        ctx.index,
-                        ctx.prefix,
-                        if o.layout == Layout::Qwen35 {
-                            ""
-                        } else {
-                            " (the Qwen3-Next layout interleaves them with the value heads)"
-                        }
-                    )));
+                    " (the Qwen3-Next layout interleaves them with the value heads)"
                 }
-            }
-        };
+            ))
+        })?;
         let eps = o.norm_eps as f32;
         let mixer_prefix = ctx.path(&o.mixer);
         let m = |n: &str| format!("{mixer_prefix}.{n}");

@@ -5,7 +5,7 @@
 //!
 //! State: conv window `[B, K-1, C]` and SSM state `[B, H, Dh, Ds]` (f32).
 
-use crate::block::size;
+use crate::block::{group_split, size};
 use mlex_cache::{conv_window_into, StateCache};
 use mlex_core::cache::Cache;
 use mlex_core::distributed::Split;
@@ -146,24 +146,14 @@ impl Mamba2 {
         // the grouped norm stays local. With fewer groups than ranks,
         // `group_copies` consecutive ranks share a group (its B/C rows) and
         // its norm sums its squares over them (`GroupShare`).
-        let (heads, groups, group_copies) = match ctx.weights.shard() {
-            None => (heads, groups, 1),
-            Some(shard) => {
-                let n = shard.size() as i32;
-                if groups % n == 0 {
-                    (heads / n, groups / n, 1)
-                } else if n % groups == 0 && heads % n == 0 {
-                    (heads / n, 1, (n / groups) as usize)
-                } else {
-                    return Err(Error::Other(format!(
-                        "--tp {n}: mamba2 of layer {} ({}) cannot be split: {groups} B/C groups \
-                         (n_groups) neither split into {n} equal parts nor divide {n} ranks \
-                         with {heads} heads (mamba_num_heads)",
-                        ctx.index, ctx.prefix
-                    )));
-                }
-            }
-        };
+        let (groups, heads, group_copies) = group_split(ctx, groups, heads, true).map_err(|n| {
+            Error::Other(format!(
+                "--tp {n}: mamba2 of layer {} ({}) cannot be split: {groups} B/C groups \
+                 (n_groups) neither split into {n} equal parts nor divide {n} ranks \
+                 with {heads} heads (mamba_num_heads)",
+                ctx.index, ctx.prefix
+            ))
+        })?;
         let group_share = (group_copies > 1).then(|| GroupShare {
             shard: ctx.weights.shard().cloned().expect("split"),
             copies: group_copies,

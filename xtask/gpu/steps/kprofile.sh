@@ -5,8 +5,9 @@
 # libkcount.so with KCOUNT_NAMES=1, plain at --gen 32 and 160 (128 steps
 # apart), then speculative (`--draft-acceptance 1.0 --force-acceptance
 # --draft-tokens K --repeats 1`, which runs one plain and one speculative
-# generation) at the same two lengths. The speculative pair's difference
-# less the plain pair's is what 128 / (K + 1) extra rounds ran. Prints,
+# generation, after a plain one that makes the drafter's script) at the
+# same two lengths. The speculative pair's difference less twice the plain
+# pair's is what 128 / (K + 1) extra rounds ran. Prints,
 # per plain step and per round: kernels, GPU busy time, and wall time from
 # the bench's tok/s; then the kernels that account for most of the round's
 # busy time against K + 1 plain steps. Needs the CUDA bundle's files in
@@ -51,10 +52,11 @@ p32, p160, s32, s160 = (read(x) for x in ("plain-32", "plain-160", "spec-32", "s
 plain, pbusy = diff(p32, p160)
 spec, sbusy = diff(s32, s160)
 rounds = 128 / (k + 1)
-round_k = {n: ((spec[n][0] - plain.get(n, (0, 0))[0]) / rounds, (spec[n][1] - plain.get(n, (0, 0))[1]) / rounds) for n in spec}
+# The speculative run made two plain generations (the script, the timed one).
+round_k = {n: ((spec[n][0] - 2 * plain.get(n, (0, 0))[0]) / rounds, (spec[n][1] - 2 * plain.get(n, (0, 0))[1]) / rounds) for n in spec}
 step_k = {n: (c / 128, t / 128) for n, (c, t) in plain.items()}
-rbusy = (sbusy - pbusy) / rounds / 1e3
-sbusy1 = pbusy / 128 / 1e3
+rbusy = (sbusy - 2 * pbusy) / rounds / 1e6
+sbusy1 = pbusy / 128 / 1e6
 b = s160[2]
 pw = 1e3 / b.get("plain_decode_tok_s", {}).get("median", float("nan"))
 sw = 1e3 * (k + 1) / b.get("speculative_decode_tok_s", {}).get("median", float("nan"))
@@ -62,7 +64,7 @@ print(f"== {m}, K = {k}")
 print(f"plain step: {sum(c for c, _ in step_k.values()):.0f} kernels, GPU busy {sbusy1:.3f} ms, wall {pw:.3f} ms")
 print(f"round (T = {k + 1}): {sum(c for c, _ in round_k.values()):.0f} kernels, GPU busy {rbusy:.3f} ms, wall {sw:.3f} ms "
       f"= {sw / pw:.2f} steps; busy {rbusy / sbusy1:.2f} steps")
-print("kernels by extra busy time a round over one plain step (count round / step, us round / step):")
+print("kernels by extra busy time a round over one plain step (launches round / step, us round / step):")
 rows = sorted(round_k, key=lambda n: -(round_k[n][1] - step_k.get(n, (0, 0))[1]))
 for n in rows[:15]:
     rc, rt = round_k[n]; pc, pt = step_k.get(n, (0, 0))

@@ -390,11 +390,28 @@ fn the_mtp_head_under_two_ranks_equals_one_device_and_its_reference() {
 }
 
 #[test]
-fn speculative_lookup_under_two_ranks_equals_one_device() {
+fn speculative_lookup_and_a_draft_model_under_two_ranks_equal_one_device() {
     let f = fixture("qwen3_5-f32");
     let r = reference(&f);
     let want = greedy_ids(&f, &r.prompt, 1, &[]);
     assert_eq!(greedy_ids(&f, &r.prompt, 2, &["--lookup"]), want);
+    // A dense draft model of the same vocabulary, split as the target is.
+    let draft = model_path(&fixture("qwen3-f32"));
+    let args = ["--draft-model", draft.to_str().unwrap()];
+    let one = greedy_json(&f, &r.prompt, 1, &args);
+    let two = greedy_json(&f, &r.prompt, 2, &args);
+    assert_eq!(two["token_ids"], one["token_ids"]);
+    let ids: Vec<i64> = one["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect();
+    assert_eq!(ids, want);
+    assert_eq!(two["speculative"]["drafter"], "draft-model");
+    for k in ["rounds", "proposed", "accepted"] {
+        assert_eq!(two["speculative"][k], one["speculative"][k], "{k}");
+    }
 }
 
 fn failure(f: &Fixture, args: &[&str]) -> String {

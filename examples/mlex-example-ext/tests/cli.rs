@@ -51,6 +51,23 @@ fn toy_checkpoint(dir: &std::path::Path) {
     .unwrap();
 }
 
+/// The JSON report of `mlex-example generate` on the checkpoint in `dir`
+/// for the prompt 3,1,4,1,5, with `extra` arguments.
+fn generate(dir: &std::path::Path, extra: &[&str]) -> Value {
+    let out = cli()
+        .args(["generate", "--prompt-ids", "3,1,4,1,5", "--format", "json"])
+        .args(extra)
+        .arg("--model")
+        .arg(dir)
+        .assert()
+        .success()
+        .get_output()
+        .stdout
+        .clone();
+    let text = String::from_utf8_lossy(&out);
+    serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap()
+}
+
 #[test]
 fn the_example_architecture_under_two_ranks_equals_one_device() {
     // mlex's attention layers split their heads; the example's own
@@ -77,29 +94,17 @@ fn the_example_architecture_under_two_ranks_equals_one_device() {
     };
     let (one, two) = (logits("1"), logits("2"));
     assert_eq!(one.len(), 8 * 50);
-    let scale = one.iter().fold(1f32, |m, v| m.max(v.abs()));
-    let diff = one
-        .iter()
-        .zip(&two)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let (diff, scale) = mlex_testkit::max_diff(&two, &one);
     assert!(
-        diff <= 1e-5 * scale,
+        diff <= 1e-5 * scale.max(1.0),
         "two ranks differ by {diff} (largest {scale})"
     );
-    let ids = |tp: &str| -> Value {
-        let out = cli()
-            .args(["generate", "--prompt-ids", "3,1,4,1,5", "--max-tokens", "8"])
-            .args(["--temp", "0", "--format", "json", "--tp", tp, "--model"])
-            .arg(dir.path())
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
-        let text = String::from_utf8_lossy(&out).into_owned();
-        let v: Value =
-            serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap();
-        v["token_ids"].clone()
+    let ids = |tp: &str| {
+        generate(
+            dir.path(),
+            &["--max-tokens", "8", "--temp", "0", "--tp", tp],
+        )["token_ids"]
+            .clone()
     };
     assert_eq!(ids("2"), ids("1"));
 }
@@ -109,25 +114,7 @@ fn the_example_binary_generates_with_its_architecture() {
     let dir = tempfile::tempdir().unwrap();
     toy_checkpoint(dir.path());
     let vocab = 50;
-    let out = cli()
-        .args([
-            "generate",
-            "--prompt-ids",
-            "3,1,4,1,5",
-            "--max-tokens",
-            "6",
-            "--format",
-            "json",
-            "--model",
-        ])
-        .arg(dir.path())
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
-    let line = String::from_utf8_lossy(&out);
-    let v: Value = serde_json::from_str(line.lines().last().unwrap()).unwrap();
+    let v = generate(dir.path(), &["--max-tokens", "6"]);
     let ids = v["token_ids"].as_array().unwrap();
     assert_eq!(ids.len(), 6, "{v}");
     assert!(

@@ -96,6 +96,14 @@ fn check_rows(shape: &[i32], idx: &[i32], whole: bool, name: &str, path: &Path) 
     Ok(())
 }
 
+/// The columns of blocks of `width` in the order `perm`: block `b` is
+/// block `perm[b]`.
+fn spread(perm: &[i32], width: i32) -> Vec<i32> {
+    perm.iter()
+        .flat_map(|&p| (0..width).map(move |d| p * width + d))
+        .collect()
+}
+
 /// Runs of consecutive values: `(first, count)`.
 fn runs(v: &[u64]) -> Vec<(u64, u64)> {
     let mut out: Vec<(u64, u64)> = Vec::new();
@@ -183,11 +191,7 @@ impl Tensor {
                     && shape[shape.len() - 1] == perm.len() as i32 * block
                     && groups(l) =>
             {
-                let spread: Vec<i32> = perm
-                    .iter()
-                    .flat_map(|&p| (0..block).map(move |d| p * block + d))
-                    .collect();
-                let cols = through(Some(spread), l.cols.as_ref()).map(Arc::new);
+                let cols = through(Some(spread(perm, block)), l.cols.as_ref()).map(Arc::new);
                 Ok(Tensor::Lazy(Lazy { cols, ..l.clone() }))
             }
             t => Ok(Tensor::Ready(
@@ -520,17 +524,12 @@ impl TensorData {
                 ),
             ));
         }
-        let spread = |width: i32| -> Vec<i32> {
-            perm.iter()
-                .flat_map(|&p| (0..width).map(move |d| p * width + d))
-                .collect()
-        };
         match self {
             TensorData::Affine { bits, group, .. }
                 if block % group != 0 || (block * bits) % 32 != 0 =>
             {
                 Ok(TensorData::Dense(
-                    self.dense()?.take_axis(indices(&spread(block)), -1)?,
+                    self.dense()?.take_axis(indices(&spread(perm, block)), -1)?,
                 ))
             }
             _ => self.each(|a, c| {
@@ -539,7 +538,7 @@ impl TensorData {
                     Comp::Weight(bits) => block * bits / 32,
                     Comp::Scales | Comp::Biases => block / 32,
                 };
-                Ok(a.take_axis(indices(&spread(width)), -1)?)
+                Ok(a.take_axis(indices(&spread(perm, width)), -1)?)
             }),
         }
     }

@@ -1804,6 +1804,28 @@ fn mtp_drafts_with_the_checkpoints_head_and_bad_uses_name_it() {
     assert!(e.contains("--mtp") && e.contains("--prompt-cache"), "{e}");
     let e = stderr(gen(&m, &["--mtp", "--lookup"]));
     assert!(e.contains("--mtp") || e.contains("--lookup"), "{e}");
+    // `mlex logits --mtp`: the head's logits, one row fewer than the
+    // prompt; a checkpoint without a head, or one prompt id, is named.
+    let logits = |model: &std::path::Path, ids: &str| {
+        let out = dir.path().join("mtp.npy");
+        let a = mlex()
+            .args(["logits", "--mtp", "--prompt-ids", ids, "--out"])
+            .arg(&out)
+            .arg("--model")
+            .arg(model)
+            .assert();
+        (a, out)
+    };
+    let (a, out) = logits(&m, "5,6,7,8");
+    a.success();
+    assert_eq!(mlx_rs::Array::load_numpy(&out).unwrap().shape(), &[3, 256]);
+    let e = stderr(logits(&fixture_path("qwen3_5-f32"), "5,6,7,8").0);
+    assert!(e.contains("--mtp") && e.contains("config.json"), "{e}");
+    let e = stderr(logits(&m, "5").0);
+    assert!(
+        e.contains("--prompt-ids") && e.contains("2 prompt ids"),
+        "{e}"
+    );
 }
 
 /// `mlex bench --model m --prompt-len 8 --draft-tokens 3 ARGS --format

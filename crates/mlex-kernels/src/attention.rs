@@ -17,8 +17,8 @@ use mlx_rs::{Array, Dtype};
 
 const SOURCE: &str = include_str!("attention_rows.cu");
 
-/// Warps a block: each takes every `WARPS`-th key.
-const WARPS: i32 = 4;
+/// Warps a block: each takes every `WARPS`-th run of four keys.
+const WARPS: i32 = 8;
 
 /// Whether [`causal_rows`] takes `q` `[B, Hq, T, D]` over `keys`/`values`
 /// `[B, Hkv, L, D]`: one dtype among f32, bf16 and f16, `D` a multiple of 32

@@ -13,8 +13,10 @@
 // float (online softmax over the keys, as flash decoding does).
 // Template: InT, D (head size, a multiple of 32), W (warps a block).
 // Launch: grid (32*W, T, B*Hq) threads in blocks of (32*W, 1, 1): one block
-// per query row; warp w takes keys w, w+W, ...; each lane D/32 dimensions.
+// per query row; warp w takes keys w*U .. w*U+U-1, then W*U further on, ...;
+// each lane D/32 dimensions.
 constexpr int n_per = D / 32;
+constexpr int U = 4;
 const int lane = threadIdx.x % 32;
 const int w = threadIdx.x / 32;
 const int t = blockIdx.y;
@@ -43,20 +45,52 @@ float l = 0.f;
 float acc[n_per];
 #pragma unroll
 for (int i = 0; i < n_per; ++i) acc[i] = 0.f;
-for (int j = w; j < visible; j += W) {
-  const InT* kr = kb + j * k_strides[2] + lane * n_per * k_strides[3];
-  float s = 0.f;
+// U keys at a time: their loads are issued together, so a warp waits on
+// memory once per U keys rather than once per key (one key at a time left
+// the kernel bound by that wait: docs/BENCHMARKS.md).
+for (int j0 = w * U; j0 < visible; j0 += W * U) {
+  float kf[U][n_per];
+  float vf[U][n_per];
 #pragma unroll
-  for (int i = 0; i < n_per; ++i) s += qv[i] * static_cast<float>(kr[i * k_strides[3]]);
+  for (int u = 0; u < U; ++u) {
+    // Past the visible keys, re-read the last one; its weight is 0 below.
+    const int j = j0 + u < visible ? j0 + u : visible - 1;
+    const InT* kr = kb + j * k_strides[2] + lane * n_per * k_strides[3];
+    const InT* vr = vb + j * v_strides[2] + lane * n_per * v_strides[3];
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-  const float m_new = fmaxf(m, s);
+    for (int i = 0; i < n_per; ++i) {
+      kf[u][i] = static_cast<float>(kr[i * k_strides[3]]);
+      vf[u][i] = static_cast<float>(vr[i * v_strides[3]]);
+    }
+  }
+  float s[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    s[u] = 0.f;
+#pragma unroll
+    for (int i = 0; i < n_per; ++i) s[u] += qv[i] * kf[u][i];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
+  }
+  float m_new = m;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (j0 + u < visible) m_new = fmaxf(m_new, s[u]);
+  }
   const float corr = expf(m - m_new);
-  const float p = expf(s - m_new);
-  l = l * corr + p;
-  const InT* vr = vb + j * v_strides[2] + lane * n_per * v_strides[3];
+  l *= corr;
 #pragma unroll
-  for (int i = 0; i < n_per; ++i) acc[i] = acc[i] * corr + p * static_cast<float>(vr[i * v_strides[3]]);
+  for (int i = 0; i < n_per; ++i) acc[i] *= corr;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const float p = j0 + u < visible ? expf(s[u] - m_new) : 0.f;
+    l += p;
+#pragma unroll
+    for (int i = 0; i < n_per; ++i) acc[i] += p * vf[u][i];
+  }
   m = m_new;
 }
 

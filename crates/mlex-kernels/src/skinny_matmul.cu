@@ -21,21 +21,33 @@ float acc[M];
 #pragma unroll
 for (int m = 0; m < M; ++m) acc[m] = 0.f;
 const T* wr = w + (size_t)n * K;
-for (int k = lane * 8; k < K; k += 256) {
-  uint4 wv = *reinterpret_cast<const uint4*>(wr + k);
-  const T* wp = reinterpret_cast<const T*>(&wv);
-  float wf[8];
+// U chunks of the weight row a lane loads at once, before using any: one
+// wait on memory for four chunks. The order of the sums is unchanged.
+constexpr int U = 4;
+for (int k0 = lane * 8; k0 < K; k0 += 256 * U) {
+  uint4 wv[U];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) wf[i] = static_cast<float>(wp[i]);
+  for (int u = 0; u < U; ++u) {
+    if (k0 + u * 256 < K) wv[u] = *reinterpret_cast<const uint4*>(wr + k0 + u * 256);
+  }
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    if (m >= R) break;
-    uint4 xv = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
-    const T* xp = reinterpret_cast<const T*>(&xv);
-    float s = 0.f;
+  for (int u = 0; u < U; ++u) {
+    const int k = k0 + u * 256;
+    if (k >= K) break;
+    const T* wp = reinterpret_cast<const T*>(&wv[u]);
+    float wf[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s += wf[i] * static_cast<float>(xp[i]);
-    acc[m] += s;
+    for (int i = 0; i < 8; ++i) wf[i] = static_cast<float>(wp[i]);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      if (m >= R) break;
+      uint4 xv = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+      const T* xp = reinterpret_cast<const T*>(&xv);
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s += wf[i] * static_cast<float>(xp[i]);
+      acc[m] += s;
+    }
   }
 }
 #pragma unroll

@@ -11,7 +11,15 @@ use mlx_rs::{ops, random, Array, Dtype};
 fn skinny_matmul_equals_mlx_matmul_on_cuda() {
     assert_on_cuda();
     for dtype in [Dtype::Bfloat16, Dtype::Float16] {
-        for (n, k) in [(8, 16), (1000, 1032), (2048, 1024), (1024, 3072)] {
+        // The last: as many columns as a vocabulary head has (the launch
+        // grid's y axis stops at 65,535 blocks).
+        for (n, k) in [
+            (8, 16),
+            (1000, 1032),
+            (2048, 1024),
+            (1024, 3072),
+            (70_000, 64),
+        ] {
             for m in [2, 3, 8, 17, 64] {
                 let key = random::key((m * 1000 + n) as u64).unwrap();
                 let x = random::normal::<f32>(&[m, k], None, None, &key)

@@ -302,17 +302,7 @@ pub fn speculative(
         ));
     }
     let drafter: Box<dyn mlex_generate::Drafter> = if let Some(path) = &s.draft_model {
-        let dm = ModelArgs {
-            model: path.clone(),
-            ..m.clone()
-        };
-        let draft = load_with(&dm, registry)?;
-        let target_vocab = generator.model.vocab_size() as usize;
-        Box::new(mlex_generate::DraftModel::new(
-            generator_for_draft(draft.model, m),
-            target_vocab,
-            path,
-        )?)
+        Box::new(draft_model(generator, path, m, registry)?)
     } else if s.lookup {
         Box::new(mlex_generate::PromptLookup::default())
     } else if s.mtp {
@@ -342,17 +332,7 @@ pub fn batch_speculation(
             Ok(Box::new(mlex_generate::MtpDrafter::new()) as Box<dyn mlex_generate::Drafter>)
         })
     } else if let Some(path) = &s.draft_model {
-        let dm = ModelArgs {
-            model: path.clone(),
-            ..m.clone()
-        };
-        let draft = load_with(&dm, registry)?;
-        let target_vocab = generator.model.vocab_size() as usize;
-        let base = mlex_generate::DraftModel::new(
-            generator_for_draft(draft.model, m),
-            target_vocab,
-            path,
-        )?;
+        let base = draft_model(generator, path, m, registry)?;
         Box::new(move || Ok(Box::new(base.share()) as Box<dyn mlex_generate::Drafter>))
     } else if s.lookup {
         Box::new(|| {
@@ -368,10 +348,23 @@ pub fn batch_speculation(
     }))
 }
 
-fn generator_for_draft(model: mlex_core::model::Model, m: &ModelArgs) -> mlex_generate::Generator {
-    let mut g = mlex_generate::Generator::with_policy(model, compile(m));
+/// The draft model at `path` (`--draft-model`), loaded with the target's
+/// options `m`, checked against `generator`'s vocabulary; it keeps no
+/// prefix checkpoints of its own.
+fn draft_model(
+    generator: &mlex_generate::Generator,
+    path: &str,
+    m: &ModelArgs,
+    registry: &Registry,
+) -> Result<mlex_generate::DraftModel> {
+    let dm = ModelArgs {
+        model: path.to_owned(),
+        ..m.clone()
+    };
+    let draft = load_with(&dm, registry)?;
+    let mut g = mlex_generate::Generator::with_policy(draft.model, compile(m));
     g.checkpoint_every = 0;
-    g
+    mlex_generate::DraftModel::new(g, generator.model.vocab_size() as usize, path)
 }
 
 /// Shared model options → the compile policy (`None`: eager decode).
@@ -383,18 +376,47 @@ pub fn compile(m: &ModelArgs) -> Option<mlex_compile::CompilePolicy> {
     }
 }
 
-/// The prompt-cache file of this model in `dir` (`<fingerprint>.safetensors`),
-/// loaded into `generator` when it exists; a file that is truncated, of
-/// another format or for another model is an error naming it.
-pub fn open_prompt_cache(
-    generator: &mut mlex_generate::Generator,
-    dir: &std::path::Path,
-    fingerprint: &str,
-) -> Result<std::path::PathBuf> {
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let path = dir.join(format!("{fingerprint}.safetensors"));
-    if path.exists() {
-        generator.prompt_cache.load(&path, fingerprint)?;
+/// The generator of `generate` and `chat`: [`generator`] with the drafter
+/// `s` asks for ([`speculative`]) and, with `prompt_cache` (the
+/// `--prompt-cache` folder), this model's cache file there loaded when it
+/// exists; a file that is truncated, of another format or for another model
+/// is an error naming it.
+pub fn decoder(
+    loaded: LoadedModel,
+    m: &ModelArgs,
+    s: &crate::args::SpeculativeArgs,
+    registry: &Registry,
+    prompt_cache: Option<&std::path::Path>,
+) -> Result<(mlex_generate::Generator, Option<PromptCacheFile>)> {
+    let mut g = generator(loaded.model, m);
+    speculative(&mut g, s, m, registry, prompt_cache.is_some())?;
+    let file = match prompt_cache {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+            let file = PromptCacheFile {
+                path: dir.join(format!("{}.safetensors", loaded.fingerprint)),
+                fingerprint: loaded.fingerprint,
+            };
+            if file.path.exists() {
+                g.prompt_cache.load(&file.path, &file.fingerprint)?;
+            }
+            Some(file)
+        }
+        None => None,
+    };
+    Ok((g, file))
+}
+
+/// One model's prompt-cache file (`<fingerprint>.safetensors` in the
+/// `--prompt-cache` folder).
+pub struct PromptCacheFile {
+    path: std::path::PathBuf,
+    fingerprint: String,
+}
+
+impl PromptCacheFile {
+    /// Writes `generator`'s prompt cache to the file.
+    pub fn save(&self, generator: &mlex_generate::Generator) -> Result<()> {
+        generator.prompt_cache.save(&self.path, &self.fingerprint)
     }
-    Ok(path)
 }

@@ -3,7 +3,7 @@
 //! previous turn's state, so only the new tokens are prefilled.
 
 use crate::args::{ChatArgs, Format};
-use crate::session::{generate_options, open_prompt_cache, tokenizer_for};
+use crate::session::{generate_options, tokenizer_for};
 use mlex_core::distributed::Shard;
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
@@ -16,19 +16,13 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
     let vocab = loaded.model.vocab_size() as usize;
     let tokenizer = tokenizer_for(&loaded)?;
     let opts = generate_options(&a.sampling, Some(&tokenizer), vocab)?;
-    let fingerprint = loaded.fingerprint.clone();
-    let mut generator = crate::session::generator(loaded.model, &a.model);
-    crate::session::speculative(
-        &mut generator,
-        &a.speculative,
+    let (mut generator, cache_file) = crate::session::decoder(
+        loaded,
         &a.model,
+        &a.speculative,
         registry,
-        a.prompt_cache.is_some(),
+        a.prompt_cache.as_deref(),
     )?;
-    let cache_file = match &a.prompt_cache {
-        Some(dir) => Some(open_prompt_cache(&mut generator, dir, &fingerprint)?),
-        None => None,
-    };
     let shard = generator.model.dispatch.tensor_parallel.clone();
     let interactive = std::io::stdin().is_terminal();
     let json = a.format == Format::Json;
@@ -86,8 +80,8 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
         let (g, interrupted) =
             crate::interrupt::generating(|| generator.generate(&prompt, &opts, &mut on_token));
         let g = g?;
-        if let Some(path) = &cache_file {
-            generator.prompt_cache.save(path, &fingerprint)?;
+        if let Some(file) = &cache_file {
+            file.save(&generator)?;
         }
         crate::interrupt::reset();
         let rest = text_stream.finish(g.finish)?;

@@ -1,7 +1,7 @@
 //! `mlex generate`.
 
 use crate::args::{Format, GenerateArgs};
-use crate::session::{generate_options, open_prompt_cache, tokenizer_for};
+use crate::session::{generate_options, tokenizer_for};
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
 use mlex_generate::{Flow, Message, TextStream};
@@ -17,19 +17,13 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     };
     let prompt = prompt_ids(&a, tokenizer.as_ref())?;
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
-    let loaded_fingerprint = loaded.fingerprint.clone();
-    let mut generator = crate::session::generator(loaded.model, &a.model);
-    crate::session::speculative(
-        &mut generator,
-        &a.speculative,
+    let (mut generator, cache_file) = crate::session::decoder(
+        loaded,
         &a.model,
+        &a.speculative,
         registry,
-        a.prompt_cache.is_some(),
+        a.prompt_cache.as_deref(),
     )?;
-    let cache_file = match &a.prompt_cache {
-        Some(dir) => Some(open_prompt_cache(&mut generator, dir, &loaded_fingerprint)?),
-        None => None,
-    };
     let stream = a.format == Format::Text;
     let mut text_stream = tokenizer
         .as_ref()
@@ -60,8 +54,8 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     let (g, interrupted) =
         crate::interrupt::generating(|| generator.generate(&prompt, &opts, &mut on_token));
     let g = g?;
-    if let Some(path) = &cache_file {
-        generator.prompt_cache.save(path, &loaded_fingerprint)?;
+    if let Some(file) = &cache_file {
+        file.save(&generator)?;
     }
     let finish = if interrupted {
         "interrupted"

@@ -30,6 +30,7 @@
 //! otherwise that one tensor is dequantized to float32.
 
 use super::lazy::Tensor;
+use super::names::{self, Scheme};
 use super::{bad, quantization_config, read_tokenizer, GgufCheckpoint, Meta};
 use crate::gguf_file::{GgufHeader, MetaValue, TensorData};
 use mlex_core::config::ModelConfig;
@@ -297,33 +298,51 @@ pub(super) fn load(
     })
 }
 
-/// Moves the global tensors (embedding, final norm, head); returns whether
-/// the head is tied and the vocabulary size.
+/// Moves the global tensors (embedding, final norm, head) to their names
+/// under `scheme`, after `prefix`; returns whether the head is tied and the
+/// vocabulary size.
 fn globals(
     path: &Path,
     tensors: &mut Tensors,
     out: &mut Out,
-    embed: &str,
-    norm: &str,
-    head: &str,
+    scheme: Scheme,
+    prefix: &str,
 ) -> Result<(bool, i32)> {
+    let to = |module: &str| {
+        format!(
+            "{prefix}{}",
+            names::global(scheme, module).expect("names.toml has every global")
+        )
+    };
     let (e, ty) = tensors
         .take("token_embd.weight")
         .ok_or_else(|| bad(path, "tensor `token_embd.weight` is missing"))?;
     let vocab = e.shape()[0];
-    out.put(embed, e, &ty, "weight");
+    out.put(&to("token_embd"), e, &ty, "weight");
     let (n, ty) = tensors
         .take("output_norm.weight")
         .ok_or_else(|| bad(path, "tensor `output_norm.weight` is missing"))?;
-    out.put(norm, n, &ty, "weight");
+    out.put(&to("output_norm"), n, &ty, "weight");
     let tied = match tensors.take("output.weight") {
         Some((h, ty)) => {
-            out.put(head, h, &ty, "weight");
+            out.put(&to("output"), h, &ty, "weight");
             false
         }
         None => true,
     };
     Ok((tied, vocab))
+}
+
+/// Moves block `b`'s tensors that are renamed as they are (the names
+/// table's `scheme` column, `.weight` and `.bias`) under `layer`.
+fn renamed(tensors: &mut Tensors, out: &mut Out, scheme: Scheme, b: usize, layer: &str) {
+    for (from, to) in names::blocks(scheme) {
+        for suffix in ["weight", "bias"] {
+            if let Some((t, ty)) = tensors.take(&format!("blk.{b}.{from}.{suffix}")) {
+                out.put(&format!("{layer}.{to}"), t, &ty, suffix);
+            }
+        }
+    }
 }
 
 /// `qwen3next`, `qwen35`, `qwen35moe`.
@@ -369,14 +388,7 @@ fn qwen(
     } else {
         "language_model."
     };
-    let (tied, vocab) = globals(
-        path,
-        tensors,
-        out,
-        &format!("{prefix}model.embed_tokens"),
-        &format!("{prefix}model.norm"),
-        &format!("{prefix}lm_head"),
-    )?;
+    let (tied, vocab) = globals(path, tensors, out, Scheme::Llama, prefix)?;
     let tiled = family != Family::Qwen3Next && nk != nv;
     let attention_bias = tensors.map.keys().any(|n| n.ends_with(".attn_q.bias"));
     let mut fused = false;
@@ -390,13 +402,8 @@ fn qwen(
             // trunk, its head's tensors as `nextn.*`): the `mtp.*` of the
             // Hugging Face checkpoint, loaded with --mtp.
             let m = format!("{prefix}mtp");
-            for (from, to) in [
-                ("nextn.eh_proj.weight", "fc"),
-                ("nextn.enorm.weight", "pre_fc_norm_embedding"),
-                ("nextn.hnorm.weight", "pre_fc_norm_hidden"),
-                ("nextn.shared_head_norm.weight", "norm"),
-            ] {
-                if let Some((t, ty)) = tensors.take(&b(from)) {
+            for (from, to) in names::nextn() {
+                if let Some((t, ty)) = tensors.take(&b(&format!("{from}.weight"))) {
                     out.put(&format!("{m}.{to}"), t, &ty, "weight");
                 }
             }
@@ -405,48 +412,7 @@ fn qwen(
             tensors.map.retain(|n, _| !n.starts_with(&own));
             format!("{m}.layers.{}", i - layers)
         };
-        let simple = [
-            ("attn_norm.weight", "input_layernorm", "weight"),
-            (
-                "post_attention_norm.weight",
-                "post_attention_layernorm",
-                "weight",
-            ),
-            ("attn_q.weight", "self_attn.q_proj", "weight"),
-            ("attn_k.weight", "self_attn.k_proj", "weight"),
-            ("attn_v.weight", "self_attn.v_proj", "weight"),
-            ("attn_output.weight", "self_attn.o_proj", "weight"),
-            ("attn_q_norm.weight", "self_attn.q_norm", "weight"),
-            ("attn_k_norm.weight", "self_attn.k_norm", "weight"),
-            ("ssm_norm.weight", "linear_attn.norm", "weight"),
-            ("ffn_gate.weight", "mlp.gate_proj", "weight"),
-            ("ffn_up.weight", "mlp.up_proj", "weight"),
-            ("ffn_down.weight", "mlp.down_proj", "weight"),
-            ("ffn_gate_inp.weight", "mlp.gate", "weight"),
-            ("ffn_gate_exps.weight", "mlp.switch_mlp.gate_proj", "weight"),
-            ("ffn_up_exps.weight", "mlp.switch_mlp.up_proj", "weight"),
-            ("ffn_down_exps.weight", "mlp.switch_mlp.down_proj", "weight"),
-            (
-                "ffn_gate_shexp.weight",
-                "mlp.shared_expert.gate_proj",
-                "weight",
-            ),
-            ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj", "weight"),
-            (
-                "ffn_down_shexp.weight",
-                "mlp.shared_expert.down_proj",
-                "weight",
-            ),
-            ("attn_q.bias", "self_attn.q_proj", "bias"),
-            ("attn_k.bias", "self_attn.k_proj", "bias"),
-            ("attn_v.bias", "self_attn.v_proj", "bias"),
-            ("attn_output.bias", "self_attn.o_proj", "bias"),
-        ];
-        for (from, to, suffix) in simple {
-            if let Some((t, ty)) = tensors.take(&b(from)) {
-                out.put(&format!("{l}.{to}"), t, &ty, suffix);
-            }
-        }
+        renamed(tensors, out, Scheme::Llama, i as usize, &l);
         if i < layers && !out.weights.contains(&format!("{l}.mlp.gate.weight")) {
             dense_layers.push(i);
         }
@@ -750,14 +716,7 @@ fn nemotron(
         Some(e) => e,
         None => k.float("attention.layer_norm_epsilon")?.unwrap_or(1e-5),
     };
-    let (tied, vocab) = globals(
-        path,
-        tensors,
-        out,
-        "backbone.embeddings",
-        "backbone.norm_f",
-        "lm_head",
-    )?;
+    let (tied, vocab) = globals(path, tensors, out, Scheme::NemotronH, "")?;
     let has = |tensors: &Tensors, n: &str| {
         (0..layers).any(|i| tensors.map.contains_key(&format!("blk.{i}.{n}")))
     };
@@ -774,67 +733,41 @@ fn nemotron(
     for (i, &kv_i) in kv.iter().enumerate() {
         let b = |n: &str| format!("blk.{i}.{n}");
         let l = format!("backbone.layers.{i}");
-        let simple = [
-            ("attn_norm.weight", "norm", "weight"),
-            ("ssm_in.weight", "mixer.in_proj", "weight"),
-            ("ssm_in.bias", "mixer.in_proj", "bias"),
-            ("ssm_conv1d.bias", "mixer.conv1d", "bias"),
-            ("ssm_out.weight", "mixer.out_proj", "weight"),
-            ("ssm_out.bias", "mixer.out_proj", "bias"),
-            ("attn_v.weight", "mixer.v_proj", "weight"),
-            ("attn_output.weight", "mixer.o_proj", "weight"),
-            ("attn_v.bias", "mixer.v_proj", "bias"),
-            ("attn_output.bias", "mixer.o_proj", "bias"),
-            ("ffn_up.weight", "mixer.up_proj", "weight"),
-            ("ffn_down.weight", "mixer.down_proj", "weight"),
-            ("ffn_up.bias", "mixer.up_proj", "bias"),
-            ("ffn_down.bias", "mixer.down_proj", "bias"),
-            ("ffn_gate_inp.weight", "mixer.gate", "weight"),
-            ("ffn_up_exps.weight", "mixer.switch_mlp.fc1", "weight"),
-            ("ffn_down_exps.weight", "mixer.switch_mlp.fc2", "weight"),
-            (
-                "ffn_up_shexp.weight",
-                "mixer.shared_experts.up_proj",
-                "weight",
-            ),
-            (
-                "ffn_down_shexp.weight",
-                "mixer.shared_experts.down_proj",
-                "weight",
-            ),
-        ];
-        for (from, to, suffix) in simple {
-            if let Some((t, ty)) = tensors.take(&b(from)) {
-                out.put(&format!("{l}.{to}"), t, &ty, suffix);
-            }
-        }
+        // q/k rows leave llama.cpp's rotary interleave first.
         for (from, h) in [("attn_q", heads), ("attn_k", kv_i)] {
             for suffix in ["weight", "bias"] {
-                if let Some((t, ty)) = tensors.take(&b(&format!("{from}.{suffix}"))) {
+                let name = b(&format!("{from}.{suffix}"));
+                if let Some((t, ty)) = tensors.take(&name) {
                     let rows = t.shape()[0];
                     if h <= 0 || rows as i64 % (2 * h) != 0 {
                         return Err(bad(
                             path,
                             format!(
-                                "tensor `blk.{i}.{from}.{suffix}`: {rows} rows do not split into {h} heads of pairs"
+                                "tensor `{name}`: {rows} rows do not split into {h} heads of pairs"
                             ),
                         ));
                     }
-                    let to = if from == "attn_q" { "q_proj" } else { "k_proj" };
+                    let to = names::block(Scheme::NemotronH, from).expect("names.toml has q and k");
                     out.put(
-                        &format!("{l}.mixer.{to}"),
-                        t.rows(
-                            &unpermute(rows, h as i32),
-                            true,
-                            &b(&format!("{from}.{suffix}")),
-                            path,
-                        )?,
+                        &format!("{l}.{to}"),
+                        t.rows(&unpermute(rows, h as i32), true, &name, path)?,
                         &ty,
                         suffix,
                     );
                 }
             }
         }
+        if let Some((t, ty)) = tensors.take(&b("ssm_conv1d.weight")) {
+            let to =
+                names::block(Scheme::NemotronH, "ssm_conv1d").expect("names.toml has the conv");
+            out.put(
+                &format!("{l}.{to}"),
+                t.map(|a| Ok(a.expand_dims(-1)?))?,
+                &ty,
+                "weight",
+            );
+        }
+        renamed(tensors, out, Scheme::NemotronH, i, &l);
         let flat =
             |name: &str, to: &str, out: &mut Out, tensors: &mut Tensors, log: bool| -> Result<()> {
                 if let Some((t, ty)) = tensors.take(&b(name)) {
@@ -858,14 +791,6 @@ fn nemotron(
             tensors,
             false,
         )?;
-        if let Some((t, ty)) = tensors.take(&b("ssm_conv1d.weight")) {
-            out.put(
-                &format!("{l}.mixer.conv1d"),
-                t.map(|a| Ok(a.expand_dims(-1)?))?,
-                &ty,
-                "weight",
-            );
-        }
     }
     let mut c = Map::new();
     c.insert("model_type".into(), json!("nemotron_h"));

@@ -3,7 +3,8 @@
 //! [`crate::gguf_file`] reads the container and turns each tensor type into
 //! MLX affine `weight`/`scales`/`biases` (group 32) or a dense array (see
 //! there for which type becomes what, and at what memory cost).
-//! This module turns llama.cpp's naming into mlx-lm's, undoes llama.cpp's
+//! This module turns llama.cpp's naming into mlx-lm's (by `names.toml`, the
+//! one table of names every GGUF family here uses), undoes llama.cpp's
 //! row permutation of Q and K (its RoPE layout), synthesizes `config.json`
 //! (with the quantization of every tensor) from the `llama.*` metadata, and
 //! reads the tokenizer metadata.
@@ -13,11 +14,13 @@
 
 mod hybrid;
 mod lazy;
+mod names;
 
 use crate::gguf_file::{self, MetaValue};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::{Error, Result};
 use mlex_core::weights::WeightMap;
+use names::Scheme;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -193,37 +196,18 @@ impl Family {
     }
 }
 
-/// llama.cpp tensor name → mlx-lm name (without `.weight` etc.).
+/// llama.cpp tensor name → mlx-lm name (without `.weight` etc.), by the
+/// names table's `llama` column.
 fn rename(module: &str) -> Option<String> {
-    let simple = [
-        ("token_embd", "model.embed_tokens"),
-        ("output_norm", "model.norm"),
-        ("output", "lm_head"),
-    ];
-    if let Some((_, to)) = simple.iter().find(|(f, _)| *f == module) {
-        return Some((*to).to_owned());
+    if let Some(to) = names::global(Scheme::Llama, module) {
+        return Some(to.to_owned());
     }
     let rest = module.strip_prefix("blk.")?;
     let (n, part) = rest.split_once('.')?;
-    let to = match part {
-        "attn_norm" => "input_layernorm",
-        "ffn_norm" => "post_attention_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        "attn_q_norm" => "self_attn.q_norm",
-        "attn_k_norm" => "self_attn.k_norm",
-        "ffn_gate_inp" => "mlp.gate",
-        "ffn_gate_exps" => "mlp.switch_mlp.gate_proj",
-        "ffn_up_exps" => "mlp.switch_mlp.up_proj",
-        "ffn_down_exps" => "mlp.switch_mlp.down_proj",
-        _ => return None,
-    };
-    Some(format!("model.layers.{n}.{to}"))
+    Some(format!(
+        "model.layers.{n}.{}",
+        names::block(Scheme::Llama, part)?
+    ))
 }
 
 /// The tokenizer metadata of a GGUF file.

@@ -35,25 +35,13 @@ fn ids_arg(ids: &[i32]) -> String {
 
 #[test]
 fn help_has_examples_for_every_subcommand() {
-    let out = mlex()
-        .arg("--help")
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+    let out = mlex().arg("--help").ok_stdout();
     let text = String::from_utf8_lossy(&out);
     for sub in [
         "generate", "chat", "bench", "inspect", "list", "logits", "env",
     ] {
         assert!(text.contains(sub), "--help lists {sub}");
-        let out = mlex()
-            .args([sub, "--help"])
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
+        let out = mlex().args([sub, "--help"]).ok_stdout();
         let t = String::from_utf8_lossy(&out);
         assert!(
             t.contains("Examples:") && t.contains(&format!("mlex {sub}")),
@@ -64,13 +52,7 @@ fn help_has_examples_for_every_subcommand() {
 
 #[test]
 fn list_shows_architectures_and_kinds_with_origins() {
-    let out = mlex()
-        .args(["list", "--format", "json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+    let out = mlex().args(["list", "--format", "json"]).ok_stdout();
     let v = last_json(&out);
     let items = v["registered"].as_array().unwrap();
     for name in [
@@ -113,11 +95,7 @@ fn list_shows_architectures_and_kinds_with_origins() {
     let out = mlex()
         .args(["list", "--arch-file"])
         .arg(toml.path())
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let text = String::from_utf8_lossy(&out);
     assert!(
         text.contains("mine") && text.contains(toml.path().file_name().unwrap().to_str().unwrap()),
@@ -131,11 +109,7 @@ fn inspect_shows_plan_schedule_and_weights() {
     let out = mlex()
         .args(["inspect", "--format", "json", "--model"])
         .arg(&p)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let v = last_json(&out);
     assert_eq!(v["architecture"], "qwen3_next");
     let kinds: Vec<&str> = v["layers"]
@@ -168,14 +142,7 @@ fn inspect_shows_plan_schedule_and_weights() {
     };
     assert!(stored("model.layers.*.mlp.gate_proj").starts_with("4-bit affine, group 64"));
     assert_eq!(stored("model.norm"), "bfloat16");
-    let out = mlex()
-        .args(["inspect", "--model"])
-        .arg(&p)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+    let out = mlex().args(["inspect", "--model"]).arg(&p).ok_stdout();
     let text = String::from_utf8_lossy(&out);
     assert!(
         text.contains("gated_delta") && text.contains("decode step"),
@@ -190,11 +157,7 @@ fn inspect_spec_shows_each_block_once_with_its_mixer_options_and_weights() {
         mlex()
             .args(["inspect", "--spec", "--format", format, "--model"])
             .arg(&p)
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone()
+            .ok_stdout()
     };
     let text = String::from_utf8_lossy(&run("text")).to_string();
     // Three Gated DeltaNet blocks read alike; the fourth layer is attention.
@@ -263,7 +226,7 @@ fn generate_json_matches_mlx_lm_greedy_tokens() {
             if !compile {
                 cmd.arg("--no-compile");
             }
-            let v = last_json(&cmd.assert().success().get_output().stdout.clone());
+            let v = last_json(&cmd.ok_stdout());
             let ids: Vec<i32> = v["token_ids"]
                 .as_array()
                 .unwrap()
@@ -297,11 +260,7 @@ fn bench_reports_speed_and_memory() {
             "--model",
         ])
         .arg(&p)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let v = last_json(&out);
     assert!(v["prefill_tok_s"].as_f64().unwrap() > 0.0);
     assert!(v["decode_tok_s"].as_f64().unwrap() > 0.0);
@@ -327,13 +286,7 @@ fn bench_reports_speed_and_memory() {
 
 #[test]
 fn env_reports_the_runtime() {
-    let out = mlex()
-        .args(["env", "--format", "json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+    let out = mlex().args(["env", "--format", "json"]).ok_stdout();
     let v = last_json(&out);
     assert!(v["mlx_version"].as_str().unwrap().starts_with("0.32"));
     assert_eq!(v["matmul_check"]["ok"], true);
@@ -359,22 +312,14 @@ fn bad_options_and_inputs_are_clear_errors() {
                 "--model",
             ])
             .arg(&p)
-            .assert()
-            .failure()
-            .get_output()
-            .stderr
-            .clone();
+            .failed_stderr();
         let e = String::from_utf8_lossy(&out);
         assert!(e.contains(opt) && e.starts_with("error:"), "{opt}: {e}");
         assert!(!e.contains("panicked"), "{e}");
     }
     let out = mlex()
         .args(["generate", "--prompt-ids", "1", "--model", "/no/such/model"])
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     assert!(String::from_utf8_lossy(&out).contains("/no/such/model"));
     // A prompt longer than the context.
     let dir = copy_with_config(&p, |v| v["max_position_embeddings"] = 8.into());
@@ -386,22 +331,14 @@ fn bad_options_and_inputs_are_clear_errors() {
             "--model",
         ])
         .arg(dir.path())
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(e.contains("exceeds the context of 8"), "{e}");
     let out = mlex()
         .args(["generate", "--model"])
         .arg(dir.path())
         .args(["--prompt", "hello"])
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     assert!(String::from_utf8_lossy(&out).contains("tokenizer.json"));
 }
 
@@ -422,21 +359,13 @@ fn a_repo_id_resolves_from_the_local_hugging_face_cache() {
         .env("HF_HOME", home.path())
         .env_remove("HF_HUB_CACHE")
         .args(["inspect", "--format", "json", "--model", "acme/tiny-llama"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     assert_eq!(last_json(&out)["architecture"], "llama");
     let out = mlex()
         .env("HF_HOME", home.path())
         .env("HF_HUB_OFFLINE", "1")
         .args(["inspect", "--model", "acme/absent"])
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     assert!(String::from_utf8_lossy(&out).contains("Hugging Face cache"));
 }
 
@@ -451,11 +380,7 @@ fn inspect_gives_each_gguf_tensor_group_its_file_type_and_what_it_became() {
         let out = mlex()
             .args(["inspect", "--format", "json", "--model"])
             .arg(&p)
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
+            .ok_stdout();
         let v = last_json(&out);
         assert_eq!(v["format"], "gguf");
         let groups = v["tensor_groups"].as_array().unwrap();
@@ -498,11 +423,7 @@ fn greedy_ids(model: &std::ffi::OsStr, envs: &[(&str, &std::ffi::OsStr)]) -> Vec
             "--model",
         ])
         .arg(model)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     last_json(&out)["token_ids"]
         .as_array()
         .expect("token_ids")
@@ -597,11 +518,7 @@ fn smollm2_answers_paris() {
             "--model",
         ])
         .arg(&g)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let v = last_json(&out);
     assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
     assert_eq!(v["finish_reason"], "eos");
@@ -635,11 +552,7 @@ fn smollm2_answers_paris() {
             "--model",
         ])
         .arg(&g)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let v = last_json(&out);
     assert_eq!(v["finish_reason"], "stop");
     assert!(!v["text"].as_str().unwrap().contains("Paris"));
@@ -663,11 +576,7 @@ fn smollm2_answers_paris() {
                 "--model",
             ])
             .arg(&g)
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
+            .ok_stdout();
         last_json(&out)["token_ids"].clone()
     };
     assert_eq!(sample("3"), sample("3"));
@@ -680,11 +589,7 @@ fn chat_second_turn_prefills_only_new_tokens() {
         .args(["chat", "--format", "json", "--max-tokens", "30", "--model"])
         .arg(&g)
         .write_stdin("What is the capital of France?\nAnd of Italy?\n/quit\nnot read\n")
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let turns: Vec<Value> = String::from_utf8_lossy(&out)
         .lines()
         .filter(|l| l.starts_with('{'))
@@ -713,11 +618,7 @@ fn chat_second_turn_prefills_only_new_tokens() {
         .args(["chat", "--format", "json", "--max-tokens", "8", "--model"])
         .arg(&g)
         .write_stdin("Hi\n/reset\nHi\n")
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let turns: Vec<Value> = String::from_utf8_lossy(&out)
         .lines()
         .filter(|l| l.starts_with('{'))
@@ -766,22 +667,14 @@ fn negative_numbers_name_their_option() {
                 opt,
                 val,
             ])
-            .assert()
-            .failure()
-            .get_output()
-            .stderr
-            .clone();
+            .failed_stderr();
         let e = String::from_utf8_lossy(&out);
         assert!(e.contains(opt) && e.contains(val), "{opt} {val}: {e}");
         assert!(!e.contains("unexpected argument"), "{opt} {val}: {e}");
     }
     let out = mlex()
         .args(["bench", "--model", "/no/such/model", "--gen", "-2"])
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     assert!(String::from_utf8_lossy(&out).contains("--gen"));
 }
 
@@ -928,11 +821,7 @@ fn prefill_and_prompt_cache_options_reject_bad_values() {
             "--model",
         ])
         .arg(&p)
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(e.contains("--prefill-chunk"), "{e}");
     // A file where the prompt-cache directory should be.
@@ -944,11 +833,7 @@ fn prefill_and_prompt_cache_options_reject_bad_values() {
         .arg(&file)
         .arg("--model")
         .arg(&p)
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(e.contains("not-a-dir") && !e.contains("panicked"), "{e}");
 }
@@ -970,11 +855,7 @@ fn single_greedy(model: &std::path::Path, ids: &str, max_tokens: &str) -> Value 
         .args(["generate", "--format", "json", "--max-tokens", max_tokens])
         .args(["--prompt-ids", ids, "--model"])
         .arg(model)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     last_json(&out)["token_ids"].clone()
 }
 
@@ -1069,11 +950,7 @@ fn prompts_file_text_lines_use_the_chat_template_and_their_own_stops() {
         .arg(&file)
         .arg("--model")
         .arg(&g)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let got = lines_by_index(&out);
     let plain = got[&0]["text"].as_str().unwrap();
     assert!(plain.contains("Paris"), "{plain}");
@@ -1092,11 +969,7 @@ fn bench_batch_reports_aggregate_throughput() {
         .args(["bench", "--batch", "3", "--prompt-len", "12", "--gen", "5"])
         .args(["--format", "json", "--model"])
         .arg(&p)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let v = last_json(&out);
     assert_eq!(v["batch"], 3);
     assert_eq!(v["generated_tokens"], 15);
@@ -1117,11 +990,7 @@ fn bench_shared_prefix_reports_cold_and_warm_time_to_first_token() {
         .args(["--checkpoint-every", "64", "--repeats", "2"])
         .args(["--format", "json", "--model"])
         .arg(&p)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let v = last_json(&out);
     assert_eq!(v["shared_tokens"], 200);
     assert_eq!(v["reused_tokens"], 192, "{v}");
@@ -1147,11 +1016,7 @@ fn bench_shared_prefix_reports_cold_and_warm_time_to_first_token() {
             "--model",
         ])
         .arg(&p)
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(
         e.contains("--shared-prefix") && !e.contains("panicked"),
@@ -1172,11 +1037,7 @@ fn batch_and_serve_flags_reject_bad_values_clearly() {
             "--model",
         ])
         .arg(&p)
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(
         e.contains("/no/such/prompts.txt") && !e.contains("panicked"),
@@ -1188,15 +1049,7 @@ fn batch_and_serve_flags_reject_bad_values_clearly() {
         vec!["bench", "--batch", "0"],
         vec!["serve", "--batch", "0"],
     ] {
-        let out = mlex()
-            .args(&args)
-            .arg("--model")
-            .arg(&p)
-            .assert()
-            .failure()
-            .get_output()
-            .stderr
-            .clone();
+        let out = mlex().args(&args).arg("--model").arg(&p).failed_stderr();
         let e = String::from_utf8_lossy(&out);
         assert!(e.contains("--batch"), "{args:?}: {e}");
     }
@@ -1206,11 +1059,7 @@ fn batch_and_serve_flags_reject_bad_values_clearly() {
     let out = mlex()
         .args(["serve", "--port", &port, "--model"])
         .arg(fixture_path("smollm2-gguf"))
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(
         e.contains(&format!("127.0.0.1:{port}")) && e.contains("--port"),
@@ -1268,11 +1117,7 @@ fn bad_checkpoints_fail_the_binary_with_the_culprit_named() {
         let out = mlex()
             .args(["generate", "--prompt-ids", "1,2,3", "--model"])
             .arg(dir.path())
-            .assert()
-            .failure()
-            .get_output()
-            .stderr
-            .clone();
+            .failed_stderr();
         let e = String::from_utf8_lossy(&out);
         assert!(
             e.starts_with("error:") && !e.contains("panicked"),
@@ -1286,11 +1131,7 @@ fn bad_checkpoints_fail_the_binary_with_the_culprit_named() {
     let out = mlex()
         .args(["generate", "--prompt-ids", "1,99999", "--model"])
         .arg(&src)
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(
         e.starts_with("error:") && e.contains("99999") && e.contains("outside the vocabulary"),
@@ -1453,15 +1294,7 @@ fn bad_shard_sets(cases: &mut Vec<BadCase>) {
 /// and chat templates, through the binary.
 fn bad_gguf_and_tokenizers() {
     let fail = |args: &[&str], model: &Path| -> String {
-        let out = mlex()
-            .args(args)
-            .arg("--model")
-            .arg(model)
-            .assert()
-            .failure()
-            .get_output()
-            .stderr
-            .clone();
+        let out = mlex().args(args).arg("--model").arg(model).failed_stderr();
         let e = String::from_utf8_lossy(&out).into_owned();
         assert!(e.starts_with("error:") && !e.contains("panicked"), "{e}");
         e
@@ -1507,11 +1340,7 @@ fn the_generated_architecture_docs_are_fresh() {
     let out = mlex()
         .args(["list", "--markdown"])
         .env_remove("MLEX_ARCH_PATH")
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/architectures.md");
     let committed = std::fs::read_to_string(&file).unwrap_or_default();
     assert!(
@@ -1536,11 +1365,7 @@ fn a_spec_file_serves_a_new_hybrid() {
         .args(["generate", "--model"])
         .arg(&model)
         .args(["--prompt-ids", &prompt, "--max-tokens", "4", "--temp", "0"])
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&e);
     assert!(
         e.contains("unknown model_type `hybrid_mix`") && e.contains("--arch-dir"),
@@ -1559,11 +1384,7 @@ fn a_spec_file_serves_a_new_hybrid() {
             .arg(&model)
             .args(["--prompt-ids", &prompt, "--max-tokens", "8", "--temp", "0"])
             .args(["--format", "json"])
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
+            .ok_stdout();
         let got: Vec<i64> = last_json(&out)["token_ids"]
             .as_array()
             .unwrap()
@@ -1575,11 +1396,7 @@ fn a_spec_file_serves_a_new_hybrid() {
     let out = mlex()
         .args(["list", "--format", "json", "--arch-dir"])
         .arg(&specs)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let v = last_json(&out);
     let it = v["registered"]
         .as_array()
@@ -1598,11 +1415,7 @@ fn a_spec_file_serves_a_new_hybrid() {
         .arg("--arch-dir")
         .arg(&missing)
         .arg("list")
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&e);
     assert!(
         e.contains("no-such-dir") && e.contains("No such file"),
@@ -1628,11 +1441,7 @@ fn speculative_flags_give_the_plain_output_and_report_acceptance() {
                 "json",
             ])
             .args(extra)
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
+            .ok_stdout();
         last_json(&out)
     };
     let plain = run(&[]);
@@ -1673,11 +1482,7 @@ fn speculative_options_reject_bad_values_naming_them() {
             .arg(&m)
             .args(["--prompt-ids", "1,2,3", "--max-tokens", "4"])
             .args(args)
-            .assert()
-            .failure()
-            .get_output()
-            .stderr
-            .clone();
+            .failed_stderr();
         String::from_utf8_lossy(&out).into_owned()
     };
     for k in ["0", "17"] {
@@ -1705,11 +1510,7 @@ fn speculative_options_reject_bad_values_naming_them() {
             .arg(&prompts)
             .args(["--ids", "--max-tokens", "12", "--format", "json"])
             .args(extra)
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
+            .ok_stdout();
         let mut v: Vec<serde_json::Value> = String::from_utf8_lossy(&out)
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
@@ -1747,11 +1548,7 @@ fn speculative_options_reject_bad_values_naming_them() {
         .arg("--prompts-file")
         .arg(&prompts)
         .args(["--ids", "--mtp"])
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(e.contains("--mtp") && e.contains("config.json"), "{e}");
 }
@@ -1838,11 +1635,7 @@ fn bench_json(m: &std::path::Path, args: &[&str]) -> Value {
         .args(["--prompt-len", "8", "--draft-tokens", "3"])
         .args(args)
         .args(["--format", "json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     last_json(&out)
 }
 
@@ -1888,11 +1681,7 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
         .arg("--model")
         .arg(&m)
         .args(["--draft-acceptance", "1.5"])
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     assert!(String::from_utf8_lossy(&out).contains("--draft-acceptance"));
     // --force-acceptance alone has nothing to force.
     let out = mlex()
@@ -1900,11 +1689,7 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
         .arg("--model")
         .arg(&m)
         .arg("--force-acceptance")
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(e.contains("--draft-acceptance"), "{e}");
     // The MTP head drafting at a forced acceptance: every draft kept; a
@@ -1930,11 +1715,7 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
         .arg("--model")
         .arg(&mtp)
         .args(["--mtp", "--draft-acceptance", "0.5"])
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(
         e.contains("--mtp") && e.contains("--force-acceptance"),
@@ -1957,11 +1738,7 @@ fn generated_ids(m: &std::path::Path, prompt: &[i32], n: usize, extra: &[&str]) 
         ])
         .args(["--format", "json"])
         .args(extra)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     last_json(&out)["token_ids"]
         .as_array()
         .unwrap()
@@ -2003,11 +1780,7 @@ fn kv_bits_follow_mlx_lm_and_bad_uses_name_the_option() {
         .arg(&m)
         .args(["--prompt-len", "8", "--gen", "4", "--format", "json"])
         .args(["--kv-bits", "4", "--kv-group-size", "32"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let v = last_json(&out);
     assert_eq!(v["kv_quantization"]["bits"], 4, "{v}");
     assert_eq!(v["kv_quantization"]["start"], 5000, "{v}");
@@ -2079,11 +1852,7 @@ fn max_kv_size_follows_mlx_lm_and_bad_uses_name_the_option() {
             "--max-kv-size",
             "6",
         ])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let v = last_json(&out);
     assert_eq!(v["max_kv_size"], 6, "{v}");
     // A given --prefill-chunk wins over the window's cap on the step.
@@ -2102,11 +1871,7 @@ fn max_kv_size_follows_mlx_lm_and_bad_uses_name_the_option() {
             "6",
         ])
         .args(["--prefill-chunk", "2048"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     assert_eq!(last_json(&out)["dispatch"]["prefill_chunk"], 2048);
 
     let fails = |args: &[&str]| {
@@ -2163,11 +1928,7 @@ fn bench_measures_speculation_in_a_batch() {
         .arg("--model")
         .arg(&m)
         .args(["--batch", "2", "--draft-acceptance", "0.5"])
-        .assert()
-        .failure()
-        .get_output()
-        .stderr
-        .clone();
+        .failed_stderr();
     let e = String::from_utf8_lossy(&out);
     assert!(e.contains("--force-acceptance"), "{e}");
 }

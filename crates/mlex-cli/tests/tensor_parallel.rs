@@ -84,11 +84,7 @@ fn greedy_json(f: &Fixture, prompt: &[i32], tp: u32, extra: &[&str]) -> Value {
         .args(["--temp", "0", "--ignore-eos", "--format", "json", "--tp"])
         .arg(tp.to_string())
         .args(extra)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let text = String::from_utf8_lossy(&out);
     let line = text
         .lines()
@@ -245,11 +241,7 @@ fn bench(f: &Fixture, tp: u32, extra: &[&str]) -> Value {
         .arg(model_path(f))
         .args(["--tp", &tp.to_string()])
         .args(extra)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let text = String::from_utf8_lossy(&out);
     serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap()
 }
@@ -370,11 +362,7 @@ fn the_mtp_head_under_two_ranks_equals_one_device_and_its_reference() {
             .arg(&prompts)
             .arg("--model")
             .arg(model_path(&f))
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
+            .ok_stdout();
         let mut v: Vec<Value> = String::from_utf8_lossy(&out)
             .lines()
             .filter_map(|l| serde_json::from_str(l).ok())
@@ -489,11 +477,7 @@ fn chat_turns(f: &Fixture, input: &str, tp: u32) -> Vec<Value> {
         .args(["--tp", &tp.to_string(), "--model"])
         .arg(path_of(f))
         .write_stdin(input)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     String::from_utf8_lossy(&out)
         .lines()
         .filter(|l| l.starts_with('{'))
@@ -542,11 +526,7 @@ fn perplexity_and_batched_bench_under_ranks_equal_one_device() {
             .arg(&data)
             .args(["--tp", &tp.to_string(), "--model"])
             .arg(path_of(&f))
-            .assert()
-            .success()
-            .get_output()
-            .stdout
-            .clone();
+            .ok_stdout();
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["windows"], 3, "{v}");
         v["perplexity"].as_f64().unwrap()
@@ -620,11 +600,7 @@ fn runs(f: &Fixture, tp: u32, args: &[&str]) -> Vec<(Value, Value)> {
         .args(["--temp", "0", "--ignore-eos", "--format", "json", "--tp"])
         .arg(tp.to_string())
         .args(args)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let mut lines: Vec<Value> = String::from_utf8_lossy(&out)
         .lines()
         .filter(|l| l.starts_with('{'))

@@ -350,3 +350,22 @@ pub fn assert_same_but_near_ties(
     );
     eprintln!("{what}: a near tie at token {i} (gap {gap}) broke differently");
 }
+
+/// A command of the binaries under test, run to the outcome a test
+/// expects.
+pub trait RunExt {
+    /// Runs it, asserts that it succeeded, and returns its stdout.
+    fn ok_stdout(&mut self) -> Vec<u8>;
+    /// Runs it, asserts that it failed, and returns its stderr.
+    fn failed_stderr(&mut self) -> Vec<u8>;
+}
+
+impl RunExt for assert_cmd::Command {
+    fn ok_stdout(&mut self) -> Vec<u8> {
+        self.assert().success().get_output().stdout.clone()
+    }
+
+    fn failed_stderr(&mut self) -> Vec<u8> {
+        self.assert().failure().get_output().stderr.clone()
+    }
+}

@@ -3,6 +3,7 @@
 //! checkpoint on disk.
 
 use assert_cmd::Command;
+use mlex_testkit::RunExt;
 use mlx_rs::Array;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -15,13 +16,7 @@ fn cli() -> Command {
 
 #[test]
 fn the_example_binary_lists_its_registrations() {
-    let out = cli()
-        .args(["list", "--format", "json"])
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+    let out = cli().args(["list", "--format", "json"]).ok_stdout();
     let text = String::from_utf8_lossy(&out);
     for name in ["toy_ext", "gated_mlp", "qwen3_5", "attention"] {
         assert!(
@@ -59,11 +54,7 @@ fn generate(dir: &std::path::Path, extra: &[&str]) -> Value {
         .args(extra)
         .arg("--model")
         .arg(dir)
-        .assert()
-        .success()
-        .get_output()
-        .stdout
-        .clone();
+        .ok_stdout();
     let text = String::from_utf8_lossy(&out);
     serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap()
 }

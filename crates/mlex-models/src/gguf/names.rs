@@ -38,7 +38,7 @@ fn parse() -> Result<Table, toml::de::Error> {
 
 fn table() -> &'static Table {
     static TABLE: OnceLock<Table> = OnceLock::new();
-    // The file is compiled in; `the_table_parses` checks it.
+    // The file is compiled in; `the_table_parses_with_both_schemes` checks it.
     TABLE.get_or_init(|| parse().expect("gguf/names.toml parses"))
 }
 

@@ -1037,7 +1037,17 @@ GGUF_LAYER_NAMES = {
 }
 
 # mlx-lm model_type -> llama.cpp's general.architecture.
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "granite": "granite"}
+# The families whose q/k rows llama.cpp's converter interleaves (its
+# LlamaModel.permute; GraniteModel is a LlamaModel).
+GGUF_PERMUTED = ("llama", "granite")
+# Granite's multipliers: config key -> metadata key after `granite.`.
+GGUF_GRANITE_SCALES = {
+    "embedding_multiplier": "embedding_scale",
+    "attention_multiplier": "attention.scale",
+    "residual_multiplier": "residual_scale",
+    "logits_scaling": "logit_scale",
+}
 GGUF_GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -1347,8 +1357,11 @@ def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind
     3-D (expert) tensors in ``kind``'s type and 1-D norms in F32."""
     qtype, file_type = GGUF_TYPES[kind]
     arch = GGUF_ARCH[cfg["model_type"]]
-    permute = arch == "llama"
+    permute = arch in GGUF_PERMUTED
     writer = gguf.GGUFWriter(str(path), arch)
+    if arch == "granite":
+        for key, meta_key in GGUF_GRANITE_SCALES.items():
+            writer.add_float32(f"{arch}.{meta_key}", cfg[key])
     writer.add_name(f"mlex tiny {arch}")
     if "head_dim" in cfg:
         writer.add_key_length(cfg["head_dim"])
@@ -1413,7 +1426,7 @@ def dequantized_gguf_weights(path: Path, cfg: dict) -> dict[str, mx.array]:
     """Read a GGUF with the gguf package, dequantize to float32, map to
     mlx-lm names and un-permute q/k."""
     weights = {}
-    permute = cfg["model_type"] == "llama"
+    permute = GGUF_ARCH[cfg["model_type"]] in GGUF_PERMUTED
     for t in gguf.GGUFReader(str(path)).tensors:
         if t.name == "rope_freqs.weight":
             continue  # becomes the config's rope_scaling, not a weight
@@ -1449,7 +1462,7 @@ def check_mlx_reads_gguf(path: Path, dequantized: dict[str, mx.array], cfg: dict
             raise RuntimeError(f"{path}: mx.load's {gname} differs from gguf's by {err}")
 
 
-GGUF_FAMILY_CONFIGS = {"qwen2": qwen2_config, "qwen3": qwen3_config, "qwen3_moe": qwen3_moe_config}
+GGUF_FAMILY_CONFIGS = {"qwen2": qwen2_config, "qwen3": qwen3_config, "qwen3_moe": qwen3_moe_config, "granite": granite_config}
 
 
 LLAMA3_ROPE = {
@@ -1548,7 +1561,7 @@ def make_gguf_fixture(out: Path, kind: str, family: str = "llama", vocab: str = 
         quant,
         "gguf",
         f"{name}/model.gguf",
-        f"llama.cpp naming{' and q/k permutation' if family == 'llama' else ''}, {kind.upper()} 2-D/3-D tensors, F32 norms. "
+        f"llama.cpp naming{' and q/k permutation' if GGUF_ARCH[cfg['model_type']] in GGUF_PERMUTED else ''}, {kind.upper()} 2-D/3-D tensors, F32 norms. "
         f"Reference: mlx-lm on the gguf package's float32 dequantization ({name}/dequantized, un-permuted). "
         "tolerance_hint: max |logit| difference to mlx-lm on the MLX checkpoint built from mx.load's tensors "
         "(for quantized files it comes from QuantizedEmbedding returning float16, the scales' dtype)",
@@ -1943,6 +1956,8 @@ def all_fixtures(smollm2_gguf: Optional[Path], qwen3_tokenizer: Optional[Path] =
     ]
     fixtures.append(Fixture("gguf-llama-spm-q8_0", lambda out: [make_gguf_fixture(out, "q8_0", "llama", "spm")]))
     fixtures.append(Fixture("gguf-llama-llama3-f32", lambda out: [make_gguf_fixture(out, "f32", "llama", rope="llama3")]))
+    # A GGUF family added by its spec alone (architectures/granite.toml's [gguf]).
+    fixtures.append(Fixture("gguf-granite-f32", lambda out: [make_gguf_fixture(out, "f32", "granite")]))
     fixtures += [
         Fixture(f"gguf-{fam}-{kind}", lambda out, fam=fam, kind=kind: [make_hybrid_gguf_fixture(out, fam, kind)])
         for fam in HYBRID_GGUF

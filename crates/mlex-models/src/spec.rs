@@ -103,6 +103,11 @@ pub struct ArchSpec {
     /// A multi-token-prediction head.
     #[serde(default)]
     pub mtp: Option<MtpSpec>,
+    /// How llama.cpp's GGUF files of this family load ([`crate::gguf`]); a
+    /// spec that extends another inherits its base's only when it declares
+    /// its own.
+    #[serde(default)]
+    pub gguf: Option<crate::gguf::GgufSpec>,
 }
 
 /// `[mtp]`: the multi-token-prediction head a checkpoint may carry
@@ -547,6 +552,10 @@ fn merge_over_base(
     merged.remove("also");
     merged.remove("summary");
     merged.remove("replace");
+    if !own.contains_key("gguf") {
+        // A file of the base's family is not one of this family's.
+        merged.remove("gguf");
+    }
     if let Some(toml::Value::Table(l)) = over.get("layers") {
         if let Some(toml::Value::Table(bl)) = merged.get_mut("layers") {
             if ["pattern", "interval", "codes"]
@@ -623,6 +632,31 @@ pub const BUILTIN: &[(&str, &str)] = &[
         include_str!("../architectures/phi3.toml"),
     ),
 ];
+
+/// The built-in specs as tables, in [`BUILTIN`]'s order: each one's
+/// `model_type`, its file's own table and the table merged over its base
+/// (the same table when it extends none).
+pub(crate) fn builtin_tables() -> Result<Vec<(String, toml::Table, toml::Table)>> {
+    let mut out: Vec<(String, toml::Table, toml::Table)> = Vec::new();
+    for (file, text) in BUILTIN {
+        let own: toml::Table =
+            toml::from_str(text).map_err(|e| spec_error(file, "architecture spec", e.message()))?;
+        let name = |k: &str| own.get(k).and_then(toml::Value::as_str).map(str::to_owned);
+        let model_type = name("model_type").unwrap_or_default();
+        let merged = match name("extends") {
+            None => own.clone(),
+            Some(base) => {
+                let (_, _, b) = out
+                    .iter()
+                    .find(|(m, _, _)| *m == base)
+                    .ok_or_else(|| spec_error(file, "extends", format!("`{base}` comes later")))?;
+                merge_over_base(b, &own, &base, &|_| (*file).to_owned())?
+            }
+        };
+        out.push((model_type, own, merged));
+    }
+    Ok(out)
+}
 
 impl SpecArchitecture {
     /// Parses the spec in `text` (read from `file`) and checks it against

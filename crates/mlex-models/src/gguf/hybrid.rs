@@ -40,6 +40,15 @@ use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
 
+/// The `general.architecture` of every hybrid family read here.
+pub(super) const ARCHITECTURES: &[&str] = &[
+    "qwen3next",
+    "qwen35",
+    "qwen35moe",
+    "nemotron_h",
+    "nemotron_h_moe",
+];
+
 /// The hybrid GGUF architectures, by `general.architecture`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Family {

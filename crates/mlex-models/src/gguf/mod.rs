@@ -12,9 +12,12 @@
 //! Every size in the header is checked against the file before any tensor
 //! is read, so a truncated or corrupt GGUF is an error naming it.
 
+mod family;
 mod hybrid;
 mod lazy;
 mod names;
+
+pub use family::{GgufSpec, MetaKey, MetaKeyTable, MetaType, NameScheme};
 
 use crate::gguf_file::{self, MetaValue};
 use mlex_core::config::ModelConfig;
@@ -165,48 +168,18 @@ impl Meta<'_> {
     }
 }
 
-/// The GGUF architectures mlex reads, by `general.architecture`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Family {
-    Llama,
-    Qwen2,
-    Qwen3,
-    Qwen3Moe,
-}
-
-impl Family {
-    fn of(arch: &str) -> Option<Family> {
-        Some(match arch {
-            "llama" => Family::Llama,
-            "qwen2" => Family::Qwen2,
-            "qwen3" => Family::Qwen3,
-            "qwen3moe" => Family::Qwen3Moe,
-            _ => return None,
-        })
-    }
-
-    /// The mlx-lm `model_type` whose names the tensors are mapped to.
-    fn model_type(self) -> &'static str {
-        match self {
-            Family::Llama => "llama",
-            Family::Qwen2 => "qwen2",
-            Family::Qwen3 => "qwen3",
-            Family::Qwen3Moe => "qwen3_moe",
-        }
-    }
-}
-
 /// llama.cpp tensor name → mlx-lm name (without `.weight` etc.), by the
-/// names table's `llama` column.
-fn rename(module: &str) -> Option<String> {
-    if let Some(to) = names::global(Scheme::Llama, module) {
+/// names table's `scheme` column.
+fn rename(scheme: Scheme, module: &str) -> Option<String> {
+    if let Some(to) = names::global(scheme, module) {
         return Some(to.to_owned());
     }
     let rest = module.strip_prefix("blk.")?;
     let (n, part) = rest.split_once('.')?;
     Some(format!(
-        "model.layers.{n}.{}",
-        names::block(Scheme::Llama, part)?
+        "{}.{n}.{}",
+        names::layers(scheme),
+        names::block(scheme, part)?
     ))
 }
 
@@ -257,55 +230,23 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
     if let Some(hybrid) = hybrid::Family::of(&arch) {
         return hybrid::load(path, &header, &meta, hybrid);
     }
-    let family = Family::of(&arch).ok_or_else(|| {
-        bad(
+    let Some((model_type, spec)) = family::declared(&arch)? else {
+        let mut known = family::architectures();
+        known.extend(hybrid::ARCHITECTURES.iter().map(|a| (*a).to_owned()));
+        return Err(bad(
             path,
             format!(
-                "general.architecture is `{arch}`; GGUF loading supports llama, qwen2, qwen3, qwen3moe, \
-                 qwen3next, qwen35, qwen35moe, nemotron_h and nemotron_h_moe"
+                "general.architecture is `{arch}`; GGUF loading supports {}",
+                known.join(", ")
             ),
-        )
-    })?;
-    // Every hyperparameter key is prefixed with the architecture's name.
-    let k = |key: &str| format!("{arch}.{key}");
-    let positive = |k: &str, v: i64| -> Result<i64> {
-        mlex_core::config::count(v)
-            .map(i64::from)
-            .map_err(|m| bad(path, format!("metadata `{k}` {m}")))
+        ));
     };
-    let need = |k: &str| -> Result<i64> {
-        let v = meta
-            .i64(k)?
-            .ok_or_else(|| bad(path, format!("metadata `{k}` is missing")))?;
-        positive(k, v)
-    };
-    let layers = need(&k("block_count"))?;
-    let hidden = need(&k("embedding_length"))?;
-    let ffn = match family {
-        // A MoE model may leave the dense width out when no layer is dense.
-        Family::Qwen3Moe => match meta.i64(&k("feed_forward_length"))? {
-            Some(v) => positive(&k("feed_forward_length"), v)?,
-            None => need(&k("expert_feed_forward_length"))?,
-        },
-        _ => need(&k("feed_forward_length"))?,
-    };
-    let heads = need(&k("attention.head_count"))?;
-    let kv_heads = match meta.i64(&k("attention.head_count_kv"))? {
-        Some(v) => positive(&k("attention.head_count_kv"), v)?,
-        None => heads,
-    };
-    let head_dim = match meta.i64(&k("attention.key_length"))? {
-        Some(v) => Some(positive(&k("attention.key_length"), v)?),
-        None => None,
-    };
-    let theta = meta.f64(&k("rope.freq_base"))?.unwrap_or(match family {
-        Family::Llama => 10000.0,
-        _ => 1_000_000.0,
-    });
-    let eps = meta
-        .f64(&k("attention.layer_norm_rms_epsilon"))?
-        .unwrap_or(1e-6);
-    let context = meta.i64(&k("context_length"))?;
+    let mut config = spec.config(&meta)?;
+    let count = |c: &Map<String, Value>, key: &str| c.get(key).and_then(Value::as_i64);
+    let heads = count(&config, "num_attention_heads");
+    let kv_heads = count(&config, "num_key_value_heads").or(heads);
+    let scheme = spec.names.scheme();
+    let global = |module: &str| names::global(scheme, module).unwrap_or_default();
     let tokenizer = read_tokenizer(&meta)?;
 
     let mut weights = WeightMap::new();
@@ -340,7 +281,7 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
         let (module, suffix) = name
             .rsplit_once('.')
             .ok_or_else(|| bad(path, format!("unexpected tensor `{name}`")))?;
-        let target = rename(module).ok_or_else(|| {
+        let target = rename(scheme, module).ok_or_else(|| {
             bad(
                 path,
                 format!(
@@ -348,7 +289,7 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
                 ),
             )
         })?;
-        if target == "lm_head" {
+        if target == global("output") {
             tied = false;
         }
         tensor_types.push((format!("{target}.{suffix}"), t.ty.name().to_owned()));
@@ -359,14 +300,14 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
                 format!("tensor `{name}` has the empty shape {shape:?}"),
             ));
         }
-        // llama.cpp's converter interleaves Q and K rows for llama only;
-        // the Qwen families keep Hugging Face's layout.
-        let rotary = if family != Family::Llama {
+        // llama.cpp's converter interleaves Q and K rows for llama and the
+        // families built on it; the Qwen families keep Hugging Face's layout.
+        let rotary = if !spec.unpermute_qk {
             None
         } else if module.ends_with("attn_q") {
-            Some(heads)
+            heads
         } else if module.ends_with("attn_k") {
-            Some(kv_heads)
+            kv_heads
         } else {
             None
         };
@@ -383,52 +324,28 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
             Some(h) => tensor.rows(&hybrid::unpermute(shape[0], h as i32), true, name, path)?,
             None => tensor,
         };
-        if target == "model.embed_tokens" {
+        if target == global("token_embd") {
             vocab = shape[0];
         }
         if let Some(q) = tensor.put(&mut weights, file, &target, suffix) {
             quant.insert(target, q);
         }
     }
-    let mut config = Map::new();
-    config.insert("model_type".into(), json!(family.model_type()));
-    if let Some(d) = head_dim {
-        config.insert("head_dim".into(), json!(d));
-    }
-    if family == Family::Qwen3Moe {
-        let experts = need(&k("expert_count"))?;
-        let used = need(&k("expert_used_count"))?;
-        if used > experts {
-            return Err(bad(
+    config.insert("model_type".into(), json!(model_type));
+    let layers = count(&config, "num_hidden_layers").unwrap_or(0);
+    for (key, module) in &spec.blocks_without {
+        let to = names::block(scheme, module).ok_or_else(|| {
+            bad(
                 path,
-                format!(
-                    "metadata `{}` ({used}) exceeds `{}` ({experts})",
-                    k("expert_used_count"),
-                    k("expert_count")
-                ),
-            ));
-        }
-        config.insert("num_experts".into(), json!(experts));
-        config.insert("num_experts_per_tok".into(), json!(used));
-        config.insert(
-            "moe_intermediate_size".into(),
-            json!(need(&k("expert_feed_forward_length"))?),
-        );
-        config.insert("decoder_sparse_step".into(), json!(1));
-        config.insert("norm_topk_prob".into(), json!(true));
-        // Layers without a router are llama.cpp's dense ones.
-        let dense: Vec<i64> = (0..layers)
-            .filter(|i| !weights.contains(&format!("model.layers.{i}.mlp.gate.weight")))
+                format!("gguf blocks_without `{key}`: `{module}` is not in names.toml"),
+            )
+        })?;
+        let prefix = names::layers(scheme);
+        let without: Vec<i64> = (0..layers)
+            .filter(|i| !weights.contains(&format!("{prefix}.{i}.{to}.weight")))
             .collect();
-        config.insert("mlp_only_layers".into(), json!(dense));
+        config.insert(key.clone(), json!(without));
     }
-    config.insert("hidden_size".into(), json!(hidden));
-    config.insert("num_hidden_layers".into(), json!(layers));
-    config.insert("intermediate_size".into(), json!(ffn));
-    config.insert("num_attention_heads".into(), json!(heads));
-    config.insert("num_key_value_heads".into(), json!(kv_heads));
-    config.insert("rms_norm_eps".into(), json!(eps));
-    config.insert("rope_theta".into(), json!(theta));
     config.insert("vocab_size".into(), json!(vocab));
     config.insert("tie_word_embeddings".into(), json!(tied));
     if let Some(f) = rope_factors {
@@ -436,9 +353,6 @@ pub fn load(path: &Path) -> Result<GgufCheckpoint> {
             "rope_scaling".into(),
             json!({"rope_type": "freq_factors", "factors": f}),
         );
-    }
-    if let Some(c) = context {
-        config.insert("max_position_embeddings".into(), json!(c));
     }
     if let Some(q) = quantization_config(&quant) {
         config.insert("quantization".into(), q);

@@ -27,6 +27,7 @@ impl Scheme {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Table {
+    layers: BTreeMap<String, String>,
     globals: BTreeMap<String, BTreeMap<String, String>>,
     blocks: BTreeMap<String, BTreeMap<String, String>>,
     nextn: BTreeMap<String, String>,
@@ -51,6 +52,14 @@ fn lookup<'t>(
         .get(scheme.column())?
         .get(module)
         .map(String::as_str)
+}
+
+/// Where block N's modules go: `{layers}.N.{module}`.
+pub(super) fn layers(scheme: Scheme) -> &'static str {
+    table()
+        .layers
+        .get(scheme.column())
+        .map_or("", String::as_str)
 }
 
 /// The module outside the blocks (`token_embd`, `output_norm`, `output`).
@@ -87,6 +96,7 @@ mod tests {
         for scheme in [Scheme::Llama, Scheme::NemotronH] {
             assert!(t.globals.contains_key(scheme.column()));
             assert!(t.blocks.contains_key(scheme.column()));
+            assert!(t.layers.contains_key(scheme.column()));
         }
         assert_eq!(block(Scheme::Llama, "attn_q"), Some("self_attn.q_proj"));
         assert_eq!(block(Scheme::NemotronH, "attn_q"), Some("mixer.q_proj"));

@@ -154,7 +154,7 @@ const LONG_FNS: &[(&str, &str)] = &[
     ("crates/mlex-cli/src/commands/inspect.rs::run", "the readable plan of issue 24 replaces it"),
     ("crates/mlex-models/src/gguf_file.rs::decode", "one match over the GGUF tensor types"),
     ("crates/mlex-models/src/gguf_file.rs::read_header", "the header, field by field, with its checks"),
-    ("crates/mlex-kernels/src/gated_delta.rs::chunked", "the chunked WY form in one place, as the paper writes it"),
+    ("crates/mlex-kernels/src/gated_delta/chunked.rs::chunked", "the chunked WY form in one place, as the paper writes it"),
     ("crates/mlex-models/src/spec.rs::plan", "the spec interpreter (issue 24)"),
     ("crates/mlex-cli/tests/serve.rs::chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx", "one server process for every request shape"),
 ];

@@ -271,6 +271,13 @@ fn bench_reports_speed_and_memory() {
     assert!(ttft > 0.0);
     assert!((computed / ttft / v["prefill_tok_s"].as_f64().unwrap() - 1.0).abs() < 1e-6);
     assert!(v["peak_memory_bytes"].as_u64().unwrap() > 0);
+    // The prefill's peak holds the weights and is part of the whole run's.
+    let prefill_peak = v["prefill_peak_memory_bytes"].as_u64().unwrap();
+    assert!(prefill_peak > v["weight_bytes"].as_u64().unwrap(), "{v}");
+    assert!(
+        prefill_peak <= v["peak_memory_bytes"].as_u64().unwrap(),
+        "{v}"
+    );
     // Where the memory is: MLX's counters (peak at least what is live)
     // and, on Linux, the process's resident set.
     let m = &v["memory"];

@@ -235,6 +235,51 @@ fn compiled_verify_equals_eager_verify_on_every_architecture() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// A forward handed to MLX one layer at a time (`Dispatch::layer_sync_rows`,
+/// CUDA's prefill default; Gated DeltaNet scans in pieces) against one graph
+/// a step, on every architecture: the same logits of every position,
+/// bitwise, and the same cache (a decode step after it gives the same
+/// logits).
+#[test]
+fn a_forward_one_layer_at_a_time_equals_one_graph_on_every_architecture() {
+    let all = fixtures();
+    let names: Vec<&Fixture> = all
+        .iter()
+        .filter(|f| f.dtype == "float32" && f.quant.is_none() && f.layout != "gguf")
+        .collect();
+    assert!(names.len() >= 8, "expected fixtures of every architecture");
+    let mut failures = Vec::new();
+    for f in names {
+        let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
+        let path = path_of(f);
+        // Chunks of 2 tokens, so that the layered run's Gated DeltaNet
+        // scans go in pieces of 4 (`Dispatch::scan_piece`).
+        let mut whole = mlex_core::dispatch::Dispatch::from_env().unwrap();
+        whole.layer_sync_rows = None;
+        whole.gated_delta_chunk = Some(2);
+        let mut layered = whole.clone();
+        layered.layer_sync_rows = Some(2);
+        layered.scan_piece = 4;
+        let run = |d: &mlex_core::dispatch::Dispatch| {
+            let m = mlex_models::load::load_with(path.to_str().unwrap(), &registry, d)
+                .unwrap()
+                .model;
+            let prompt = &reference(f).prompt;
+            let mut cache = m.make_cache(1).unwrap();
+            let half = prompt.len() / 2;
+            let first = m.forward(&tokens(&prompt[..half]), &mut cache).unwrap();
+            mlx_rs::transforms::eval(cache.arrays().iter()).unwrap();
+            let rest = m.forward(&tokens(&prompt[half..]), &mut cache).unwrap();
+            let next = m.forward_last(&tokens(&[5]), &mut cache).unwrap();
+            [first, rest, next].map(|a| values(&a))
+        };
+        if run(&whole) != run(&layered) {
+            failures.push(f.name.clone());
+        }
+    }
+    assert!(failures.is_empty(), "differ: {failures:?}");
+}
+
 /// The largest difference between `a` and `b` relative to `b`'s largest
 /// magnitude (at least 1).
 fn relative(a: &[f32], b: &[f32]) -> f32 {

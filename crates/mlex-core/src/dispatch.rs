@@ -75,6 +75,21 @@ pub struct Dispatch {
     pub masked_attention_ops: bool,
     /// Prompt tokens per prefill step (`--prefill-chunk`).
     pub prefill_chunk: usize,
+    /// A forward of at least this many rows (batch x tokens) hands each
+    /// layer to MLX as it is built and waits for the one before, so that
+    /// one layer runs while the next is built (CUDA only;
+    /// `MLEX_LAYER_SYNC_ROWS`, `0` for none). Why: MLX's CUDA backend keeps
+    /// every buffer a batch of kernels used until the batch completes, and
+    /// the host builds batches far ahead of the GPU, so one graph of a
+    /// whole prefill step held the intermediates of many layers at once
+    /// (measured on the H100: 2.5 GB over the weights and cache at a 2,048
+    /// step of the dense bench model, where one layer needs 0.13 GB).
+    pub layer_sync_rows: Option<usize>,
+    /// Under [`Dispatch::layer_sync_rows`], a Gated DeltaNet layer's
+    /// chunked scan runs over at most this many tokens at a time (rounded
+    /// to whole chunks), one piece in flight: its intermediates are some
+    /// 0.5 MB a token.
+    pub scan_piece: usize,
     /// A batch speculates (`--lookup`, `--draft-model` with `--prompts-file`
     /// or `mlex serve`) while at most this many sequences are active; a
     /// fuller batch decodes plain steps (`MLEX_SPECULATIVE_ROWS`).
@@ -124,6 +139,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "MLEX_FUSE_PROJECTIONS",
         "0 keeps q/k/v and gate/up as separate products",
     ),
+    (
+        "MLEX_LAYER_SYNC_ROWS",
+        "forwards of at least this many rows run one layer ahead of the GPU: a count, or 0 for whole-step graphs",
+    ),
 ];
 
 impl Dispatch {
@@ -152,6 +171,8 @@ impl Dispatch {
             // A 4,096-token step prefills 7.7x faster than 512 on the H200;
             // on the CPU the step barely matters and 512 bounds the graph.
             prefill_chunk: if gpu { 4096 } else { 512 },
+            layer_sync_rows: cuda.then_some(256),
+            scan_piece: 1024,
             // Measured on the H100 (batch 4-32 lost 0.3-0.9x at A = 0.8,
             // K = 3; one row gained 1.9x); the CPU is not measured yet.
             speculative_rows: if gpu { 1 } else { 8 },
@@ -212,7 +233,23 @@ impl Dispatch {
         if let Some(v) = var("MLEX_FUSE_PROJECTIONS") {
             self.fuse_projections = flag("MLEX_FUSE_PROJECTIONS", &v)?;
         }
+        if let Some(v) = var("MLEX_LAYER_SYNC_ROWS") {
+            self.layer_sync_rows = match v.trim().parse::<usize>() {
+                Ok(0) => None,
+                Ok(n) => Some(n),
+                _ => return Err(bad("MLEX_LAYER_SYNC_ROWS", &v, "0 or a row count")),
+            };
+        }
         Ok(())
+    }
+
+    /// The piece a chunked scan of `rows` rows (batch x tokens) runs in, by
+    /// `chunk` (whole chunks of it), when layer sync applies; `None` for one
+    /// call over the whole sequence.
+    pub fn scan_piece_of(&self, chunk: Option<usize>, rows: usize) -> Option<usize> {
+        let chunk = chunk?;
+        self.layer_sync_rows.filter(|&n| rows >= n)?;
+        Some(self.scan_piece.div_ceil(chunk).max(1) * chunk)
     }
 
     /// The few-row kernel and its row range, when both are set.
@@ -236,6 +273,8 @@ impl Dispatch {
             "dequantize_kv_reads": self.dequantize_kv_reads,
             "masked_attention_ops": self.masked_attention_ops,
             "prefill_chunk": self.prefill_chunk,
+            "layer_sync_rows": self.layer_sync_rows,
+            "scan_piece": self.scan_piece,
             "speculative_rows": self.speculative_rows,
             "tensor_parallel": self.tensor_parallel.as_ref().map(|s| json!({
                 "rank": s.rank(),
@@ -300,8 +339,11 @@ mod tests {
             ("MLEX_FUSED_DECODE", "0"),
             ("MLEX_SKINNY_ROWS", "4-16"),
             ("MLEX_FUSE_PROJECTIONS", "0"),
+            ("MLEX_LAYER_SYNC_ROWS", "0"),
         ])
         .unwrap();
+        assert_eq!(d.layer_sync_rows, None);
+        assert_eq!(with(&[]).unwrap().layer_sync_rows, Some(256));
         assert_eq!(d.gated_delta_chunk, None);
         assert!(!d.fused_decode && !d.fuse_projections);
         assert_eq!(d.skinny_rows, Some((4, 16)));
@@ -311,6 +353,7 @@ mod tests {
             ("MLEX_SKINNY_ROWS", "0-8"),
             ("MLEX_OPS_ATTENTION_ROWS", "2-99"),
             ("MLEX_FUSED_DECODE", "yes"),
+            ("MLEX_LAYER_SYNC_ROWS", "-3"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{e}");

@@ -451,8 +451,25 @@ impl Model {
         self.check_cache(cache)?;
         let p = self.params.view();
         let mut x = self.embed_tokens(&p, tokens)?;
+        let sync = self
+            .dispatch
+            .layer_sync_rows
+            .is_some_and(|n| tokens.size() >= n);
+        let mut in_flight: Option<Array> = None;
         for (i, caches) in cache.layers.iter_mut().enumerate() {
             x = self.run_layer(&p, i, &x, caches)?;
+            if sync {
+                // One layer in flight ([`Dispatch::layer_sync_rows`]): the
+                // layer's output and new fixed-size state go to MLX now
+                // (the KV writes are inputs of the output), and the host
+                // waits for the layer before it.
+                let mut layer = vec![x.clone()];
+                layer.extend(caches.iter().flat_map(|c| c.state()));
+                mlx_rs::transforms::async_eval(layer.iter())?;
+                if let Some(before) = in_flight.replace(x.clone()) {
+                    before.eval()?;
+                }
+            }
         }
         Ok(x)
     }

@@ -103,6 +103,9 @@ pub struct Generation {
     pub finish: Finish,
     /// Peak MLX memory during the call, bytes.
     pub peak_memory_bytes: usize,
+    /// Peak MLX memory up to the first token (the prompt's prefill and its
+    /// sampling), bytes: where a long prompt's peak falls.
+    pub prefill_peak_memory_bytes: usize,
     /// Speculative decoding's counters, when a drafter ran.
     pub speculative: Option<SpecStats>,
 }
@@ -416,6 +419,10 @@ impl Generator {
         let use_history = opts.sampler.uses_history();
 
         let y = sampler.sample(&logits, use_history.then_some(&history))?;
+        // The first token is waited for anyway; waiting here, before the
+        // first decode step is queued, separates the prefill's peak.
+        y.eval()?;
+        let prefill_peak_memory_bytes = mlex_core::device::peak_memory()?;
         let decoded = match self.speculative.take() {
             Some((mut drafter, k)) => {
                 let run = self.decode_speculative(
@@ -448,6 +455,7 @@ impl Generator {
             decode_s: (end - first_at).as_secs_f64(),
             finish: decoded.finish,
             peak_memory_bytes: mlex_core::device::peak_memory()?,
+            prefill_peak_memory_bytes,
             speculative: decoded.speculative,
         })
     }

@@ -81,10 +81,11 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
     // Warm-up: compiles the decode segments and warms the allocator.
     g.generate(&prompt, &opts(a.gen.min(8)), &mut |_| Ok(Flow::Continue))?;
     let mut best: Option<mlex_generate::Generation> = None;
-    let mut peak = 0;
+    let (mut peak, mut prefill_peak) = (0, 0);
     for _ in 0..a.repeats.max(1) {
         let r = g.generate(&prompt, &opts(a.gen), &mut |_| Ok(Flow::Continue))?;
         peak = peak.max(r.peak_memory_bytes);
+        prefill_peak = prefill_peak.max(r.prefill_peak_memory_bytes);
         best = Some(match best {
             Some(b) if b.decode_tok_s() >= r.decode_tok_s() => b,
             _ => r,
@@ -131,6 +132,7 @@ pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
             "decode_tok_s": r.decode_tok_s(),
             "ttft_s": r.prefill_s,
             "peak_memory_bytes": peak,
+            "prefill_peak_memory_bytes": prefill_peak,
             "kv_quantization": g.model.kv_quantization.map(|q| json!({
                 "bits": q.bits, "group_size": q.group_size, "start": q.start,
             })),

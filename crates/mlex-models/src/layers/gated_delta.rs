@@ -291,7 +291,16 @@ impl GatedDelta {
         } else {
             let prepared = gated_delta::prepare(&conv_out, &a, &b, a_log, dt_bias, heads)?;
             let method = gated_delta_method(dispatch, len as usize);
-            let res = gated_delta::sequence(prepared.sequence(), &state[1], method, false)?;
+            let chunk = match method {
+                gated_delta::Method::Chunked { chunk } => Some(chunk),
+                gated_delta::Method::Recurrent => None,
+            };
+            let res = match dispatch.scan_piece_of(chunk, (bsz * len) as usize) {
+                Some(piece) => {
+                    gated_delta::sequence_in_pieces(prepared.sequence(), &state[1], method, piece)?
+                }
+                None => gated_delta::sequence(prepared.sequence(), &state[1], method, false)?,
+            };
             state[1] = res.state;
             res.y
         };

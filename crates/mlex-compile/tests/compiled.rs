@@ -11,6 +11,16 @@ fn values(a: &Array) -> Vec<f32> {
     to_f32(a)
 }
 
+/// The float32 safetensors fixtures: every architecture, TOML-only ones too.
+fn every_f32_architecture() -> Vec<Fixture> {
+    let all: Vec<Fixture> = fixtures()
+        .into_iter()
+        .filter(|f| f.dtype == "float32" && f.quant.is_none() && f.layout != "gguf")
+        .collect();
+    assert!(all.len() >= 8, "expected fixtures of every architecture");
+    all
+}
+
 #[test]
 fn compiled_trace_reads_weights_as_inputs_and_sees_updates() {
     let mut t = CompiledTrace::new();
@@ -162,14 +172,8 @@ fn compiled_decode_equals_eager_on_every_architecture() {
 /// picked per position) then one more decode step.
 #[test]
 fn compiled_verify_equals_eager_verify_on_every_architecture() {
-    let all = fixtures();
-    let names: Vec<&Fixture> = all
-        .iter()
-        .filter(|f| f.dtype == "float32" && f.quant.is_none() && f.layout != "gguf")
-        .collect();
-    assert!(names.len() >= 8, "expected fixtures of every architecture");
     let mut failures = Vec::new();
-    for f in names {
+    for f in &every_f32_architecture() {
         let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
         let loaded = mlex_models::load::load(path_of(f).to_str().unwrap(), &registry).unwrap();
         let model = &loaded.model;
@@ -242,14 +246,8 @@ fn compiled_verify_equals_eager_verify_on_every_architecture() {
 /// logits).
 #[test]
 fn a_forward_one_layer_at_a_time_equals_one_graph_on_every_architecture() {
-    let all = fixtures();
-    let names: Vec<&Fixture> = all
-        .iter()
-        .filter(|f| f.dtype == "float32" && f.quant.is_none() && f.layout != "gguf")
-        .collect();
-    assert!(names.len() >= 8, "expected fixtures of every architecture");
     let mut failures = Vec::new();
-    for f in names {
+    for f in &every_f32_architecture() {
         let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
         let path = path_of(f);
         // Chunks of 2 tokens, so that the layered run's Gated DeltaNet

@@ -10,7 +10,7 @@
 # Needs the CUDA bundle's files in .gpu/, the mlx-cuda-pack archive in
 # .mlx-cuda/ and the mlx wheel in .whl/.
 #
-#   [SHAPES=...] [PAIRS=2] [LONG=16384] bash xtask/gpu/run.sh layersync [P]
+#   [SHAPES=...] [PAIRS=2] [LONG=16384] [EXTRA=0: no long prompt, no batch] bash xtask/gpu/run.sh layersync [P]
 P=${1:-4096}
 SHAPES=${SHAPES:-qwen3-0.6b,qwen3_5,nemotron_h}
 wheels
@@ -50,6 +50,7 @@ PY
     bench "$s" 0 "prompt$P" --prompt-len "$P"
   done
 done
+[ "${EXTRA:-1}" = 0 ] && { echo "layersync: $(wc -l < "$J") results"; return 0; }
 for s in $(echo "${SHAPES//,/ }" | cut -d' ' -f1-2); do
   bench "$s" 1 "prompt${LONG:-16384}" --prompt-len "${LONG:-16384}" --prefill-chunk 4096
 done

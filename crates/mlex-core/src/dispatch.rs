@@ -75,10 +75,11 @@ pub struct Dispatch {
     pub masked_attention_ops: bool,
     /// Prompt tokens per prefill step (`--prefill-chunk`).
     pub prefill_chunk: usize,
-    /// A forward of at least this many rows (batch x tokens) hands each
-    /// layer to MLX as it is built and waits for the one before, so that
-    /// one layer runs while the next is built (CUDA only;
-    /// `MLEX_LAYER_SYNC_ROWS`, `0` for none). Why: MLX's CUDA backend keeps
+    /// A forward of several tokens a row and at least this many rows
+    /// (batch x tokens: a prefill piece, not a decode step or a verify
+    /// forward) hands each layer to MLX as it is built and waits for the
+    /// one before, so that one layer runs while the next is built (CUDA
+    /// only; `MLEX_LAYER_SYNC_ROWS`, `0` for none). Why: MLX's CUDA backend keeps
     /// every buffer a batch of kernels used until the batch completes, and
     /// the host builds batches far ahead of the GPU, so one graph of a
     /// whole prefill step held the intermediates of many layers at once
@@ -141,7 +142,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ),
     (
         "MLEX_LAYER_SYNC_ROWS",
-        "forwards of at least this many rows run one layer ahead of the GPU: a count, or 0 for whole-step graphs",
+        "forwards of several tokens a row and at least this many rows run one layer ahead of the GPU: a count, or 0 for whole-step graphs",
     ),
 ];
 
@@ -171,7 +172,7 @@ impl Dispatch {
             // A 4,096-token step prefills 7.7x faster than 512 on the H200;
             // on the CPU the step barely matters and 512 bounds the graph.
             prefill_chunk: if gpu { 4096 } else { 512 },
-            layer_sync_rows: cuda.then_some(256),
+            layer_sync_rows: cuda.then_some(1024),
             scan_piece: 1024,
             // Measured on the H100 (batch 4-32 lost 0.3-0.9x at A = 0.8,
             // K = 3; one row gained 1.9x); the CPU is not measured yet.
@@ -243,13 +244,24 @@ impl Dispatch {
         Ok(())
     }
 
-    /// The piece a chunked scan of `rows` rows (batch x tokens) runs in, by
-    /// `chunk` (whole chunks of it), when layer sync applies; `None` for one
+    /// Whether a forward of `batch` rows of `tokens` tokens goes to MLX a
+    /// layer at a time ([`Dispatch::layer_sync_rows`]).
+    pub fn syncs_layers(&self, batch: usize, tokens: usize) -> bool {
+        tokens > 1 && self.layer_sync_rows.is_some_and(|n| batch * tokens >= n)
+    }
+
+    /// The piece a chunked scan of `batch` rows of `tokens` tokens runs in,
+    /// by `chunk` (whole chunks of it), when layers sync; `None` for one
     /// call over the whole sequence.
-    pub fn scan_piece_of(&self, chunk: Option<usize>, rows: usize) -> Option<usize> {
+    pub fn scan_piece_of(
+        &self,
+        chunk: Option<usize>,
+        batch: usize,
+        tokens: usize,
+    ) -> Option<usize> {
         let chunk = chunk?;
-        self.layer_sync_rows.filter(|&n| rows >= n)?;
-        Some(self.scan_piece.div_ceil(chunk).max(1) * chunk)
+        self.syncs_layers(batch, tokens)
+            .then(|| self.scan_piece.div_ceil(chunk).max(1) * chunk)
     }
 
     /// The few-row kernel and its row range, when both are set.
@@ -343,7 +355,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(d.layer_sync_rows, None);
-        assert_eq!(with(&[]).unwrap().layer_sync_rows, Some(256));
+        assert_eq!(with(&[]).unwrap().layer_sync_rows, Some(1024));
         assert_eq!(d.gated_delta_chunk, None);
         assert!(!d.fused_decode && !d.fuse_projections);
         assert_eq!(d.skinny_rows, Some((4, 16)));

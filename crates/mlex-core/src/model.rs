@@ -451,10 +451,10 @@ impl Model {
         self.check_cache(cache)?;
         let p = self.params.view();
         let mut x = self.embed_tokens(&p, tokens)?;
+        let shape = tokens.shape();
         let sync = self
             .dispatch
-            .layer_sync_rows
-            .is_some_and(|n| tokens.size() >= n);
+            .syncs_layers(shape[0] as usize, shape[shape.len() - 1] as usize);
         let mut in_flight: Option<Array> = None;
         for (i, caches) in cache.layers.iter_mut().enumerate() {
             x = self.run_layer(&p, i, &x, caches)?;

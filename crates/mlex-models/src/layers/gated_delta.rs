@@ -295,7 +295,7 @@ impl GatedDelta {
                 gated_delta::Method::Chunked { chunk } => Some(chunk),
                 gated_delta::Method::Recurrent => None,
             };
-            let res = match dispatch.scan_piece_of(chunk, (bsz * len) as usize) {
+            let res = match dispatch.scan_piece_of(chunk, bsz as usize, len as usize) {
                 Some(piece) => {
                     gated_delta::sequence_in_pieces(prepared.sequence(), &state[1], method, piece)?
                 }

@@ -241,9 +241,9 @@ fn compiled_verify_equals_eager_verify_on_every_architecture() {
 
 /// A forward handed to MLX one layer at a time (`Dispatch::layer_sync_rows`,
 /// CUDA's prefill default; Gated DeltaNet scans in pieces) against one graph
-/// a step, on every architecture: the same logits of every position,
-/// bitwise, and the same cache (a decode step after it gives the same
-/// logits).
+/// a step, on every architecture: the same logits of every position
+/// (within 1e-5 of the largest), and the same cache (a decode step after it
+/// gives the same logits).
 #[test]
 fn a_forward_one_layer_at_a_time_equals_one_graph_on_every_architecture() {
     let mut failures = Vec::new();
@@ -271,8 +271,16 @@ fn a_forward_one_layer_at_a_time_equals_one_graph_on_every_architecture() {
             let next = m.forward_last(&tokens(&[5]), &mut cache).unwrap();
             [first, rest, next].map(|a| values(&a))
         };
-        if run(&whole) != run(&layered) {
-            failures.push(f.name.clone());
+        // Pieces make other (smaller) batched products than one scan, so
+        // another BLAS may round them differently: within 1e-5, not bitwise.
+        let (a, b) = (run(&whole), run(&layered));
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| relative(y, x))
+            .fold(0.0f32, f32::max);
+        if worst > 1e-5 {
+            failures.push(format!("{} ({worst:.2e})", f.name));
         }
     }
     assert!(failures.is_empty(), "differ: {failures:?}");

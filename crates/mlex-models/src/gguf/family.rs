@@ -72,7 +72,7 @@ pub enum MetaKey {
 }
 
 /// A metadata key with its type and what stands in when it is absent.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MetaKeyTable {
     /// The metadata key; with `keys`, the first present of several.
@@ -116,12 +116,7 @@ impl MetaKey {
         match self {
             MetaKey::Count(k) => MetaKeyTable {
                 key: Some(k.clone()),
-                keys: Vec::new(),
-                ty: MetaType::Count,
-                default: None,
-                or: None,
-                optional: false,
-                at_most: None,
+                ..MetaKeyTable::default()
             },
             MetaKey::Table(t) => t.clone(),
         }
@@ -322,6 +317,21 @@ mod tests {
         let c = config_of("qwen3moe", &moe).unwrap();
         assert_eq!(c["intermediate_size"], 32);
         assert_eq!(c["norm_topk_prob"], true);
+    }
+
+    #[test]
+    fn a_bad_gguf_table_names_what_is_wrong() {
+        let parse = |t: &str| GgufSpec::deserialize(toml::from_str::<toml::Value>(t).unwrap());
+        let base = "architecture = \"x\"\n[config]\nhidden_size = \"embedding_length\"\n";
+        assert!(parse(&format!("names = \"llama\"\n{base}")).is_ok());
+        let e = parse(&format!("names = \"gpt\"\n{base}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gpt") && e.contains("nemotron_h"), "{e}");
+        let e = parse(&format!("names = \"llama\"\nunpermute = true\n{base}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unpermute"), "{e}");
     }
 
     #[test]

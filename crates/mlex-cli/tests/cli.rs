@@ -26,6 +26,24 @@ fn last_json(out: &[u8]) -> Value {
     serde_json::from_str(line).unwrap()
 }
 
+/// `mlex ARGS --model MODEL` fails, and its error names each of `names`.
+fn refused(model: &Path, args: &[&str], names: &[&str]) {
+    let a = mlex()
+        .args(args)
+        .arg("--model")
+        .arg(model)
+        .assert()
+        .failure();
+    let e = String::from_utf8_lossy(&a.get_output().stderr);
+    for name in names {
+        assert!(
+            e.contains(name),
+            "`mlex {}` names no `{name}`: {e}",
+            args.join(" ")
+        );
+    }
+}
+
 fn ids_arg(ids: &[i32]) -> String {
     ids.iter()
         .map(|i| i.to_string())
@@ -1792,40 +1810,26 @@ fn kv_bits_follow_mlx_lm_and_bad_uses_name_the_option() {
     assert_eq!(v["kv_quantization"]["bits"], 4, "{v}");
     assert_eq!(v["kv_quantization"]["start"], 5000, "{v}");
 
-    let fails = |args: &[&str]| {
-        let a = mlex().args(args).arg("--model").arg(&m).assert().failure();
-        String::from_utf8_lossy(&a.get_output().stderr).into_owned()
-    };
-    let e = fails(&["generate", "--prompt-ids", "1,2", "--kv-bits", "7"]);
-    assert!(e.contains("--kv-bits") && e.contains('7'), "{e}");
-    let e = fails(&[
-        "generate",
-        "--prompt-ids",
-        "1,2",
-        "--kv-bits",
-        "4",
-        "--kv-group-size",
-        "48",
-    ]);
-    assert!(e.contains("--kv-group-size"), "{e}");
-    let e = fails(&["generate", "--prompt-ids", "1,2", "--kv-bits", "4"]);
-    assert!(e.contains("--kv-group-size") && e.contains("32"), "{e}");
     let dir = tempfile::tempdir().unwrap();
     let prompts = dir.path().join("p.txt");
     std::fs::write(&prompts, "a\nb\n").unwrap();
-    let e = fails(&[
-        "generate",
-        "--prompts-file",
-        prompts.to_str().unwrap(),
-        "--kv-bits",
-        "4",
-    ]);
-    assert!(
-        e.contains("--kv-bits") && e.contains("--prompts-file"),
-        "{e}"
+    let p = prompts.to_str().unwrap();
+    let ids = ["generate", "--prompt-ids", "1,2"];
+    refused(
+        &m,
+        &[&ids[..], &["--kv-bits", "7"]].concat(),
+        &["--kv-bits", "7"],
     );
-    let e = fails(&["serve", "--kv-bits", "4"]);
-    assert!(e.contains("--kv-bits") && e.contains("serve"), "{e}");
+    let odd_group = ["--kv-bits", "4", "--kv-group-size", "48"];
+    refused(&m, &[&ids[..], &odd_group].concat(), &["--kv-group-size"]);
+    refused(
+        &m,
+        &[&ids[..], &["--kv-bits", "4"]].concat(),
+        &["--kv-group-size", "32"],
+    );
+    let batch = ["generate", "--prompts-file", p, "--kv-bits", "4"];
+    refused(&m, &batch, &["--kv-bits", "--prompts-file"]);
+    refused(&m, &["serve", "--kv-bits", "4"], &["--kv-bits", "serve"]);
 }
 
 /// `--max-kv-size`: `generate` gives mlx-lm's tokens under its rotating
@@ -1881,27 +1885,16 @@ fn max_kv_size_follows_mlx_lm_and_bad_uses_name_the_option() {
         .ok_stdout();
     assert_eq!(last_json(&out)["dispatch"]["prefill_chunk"], 2048);
 
-    let fails = |args: &[&str]| {
-        let a = mlex().args(args).arg("--model").arg(&m).assert().failure();
-        String::from_utf8_lossy(&a.get_output().stderr).into_owned()
-    };
-    let e = fails(&["generate", "--prompt-ids", "1,2", "--max-kv-size", "4"]);
-    assert!(e.contains("--max-kv-size") && e.contains('4'), "{e}");
-    let e = fails(&[
-        "generate",
-        "--prompt-ids",
-        "1,2",
-        "--max-kv-size",
-        "64",
-        "--kv-bits",
-        "4",
-    ]);
-    assert!(
-        e.contains("--max-kv-size") && e.contains("--kv-bits"),
-        "{e}"
+    let ids = ["generate", "--prompt-ids", "1,2"];
+    let tiny = [&ids[..], &["--max-kv-size", "4"]].concat();
+    refused(&m, &tiny, &["--max-kv-size", "4"]);
+    let both = [&ids[..], &["--max-kv-size", "64", "--kv-bits", "4"]].concat();
+    refused(&m, &both, &["--max-kv-size", "--kv-bits"]);
+    refused(
+        &m,
+        &["serve", "--max-kv-size", "64"],
+        &["--max-kv-size", "serve"],
     );
-    let e = fails(&["serve", "--max-kv-size", "64"]);
-    assert!(e.contains("--max-kv-size") && e.contains("serve"), "{e}");
 }
 
 /// `mlex bench --batch N` with a drafter: plain and speculative batches

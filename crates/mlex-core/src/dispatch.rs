@@ -169,9 +169,11 @@ impl Dispatch {
             dequantize_f32_products: cuda_device,
             dequantize_kv_reads: cuda_device,
             masked_attention_ops: cuda,
-            // A 4,096-token step prefills 7.7x faster than 512 on the H200;
-            // on the CPU the step barely matters and 512 bounds the graph.
-            prefill_chunk: if gpu { 4096 } else { 512 },
+            // A 4,096-token step prefills 7.7x faster than 512 on the H200.
+            // On the CPU a step of 256 prefilled as fast as 512 or faster
+            // and peaked 15-45% lower (the attention scores of a step are
+            // its largest transient; docs/BENCHMARKS.md, 2026-12-06).
+            prefill_chunk: if gpu { 4096 } else { 256 },
             layer_sync_rows: cuda.then_some(1024),
             scan_piece: 1024,
             // Measured on the H100 (batch 4-32 lost 0.3-0.9x at A = 0.8,

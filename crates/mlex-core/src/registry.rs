@@ -22,35 +22,24 @@ use crate::layer::{LayerKind, MixerKind};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+/// A registration of something built by name: an architecture
+/// ([`ArchitectureEntry`]), a layer kind ([`LayerKindEntry`]) or a mixer
+/// kind ([`MixerKindEntry`]), made by the `register_*!` macros.
+pub struct Entry<T: ?Sized + 'static> {
+    /// The registered name (`model_type` or kind name).
+    pub name: &'static str,
+    /// The registering module.
+    pub origin: &'static str,
+    /// Constructor.
+    pub build: fn() -> Box<T>,
+}
+
 /// An architecture registration (made by [`crate::register_architecture!`]).
-pub struct ArchitectureEntry {
-    /// The `model_type`.
-    pub name: &'static str,
-    /// The registering module.
-    pub origin: &'static str,
-    /// Constructor.
-    pub build: fn() -> Box<dyn Architecture>,
-}
-
+pub type ArchitectureEntry = Entry<dyn Architecture>;
 /// A layer-kind registration (made by [`crate::register_layer_kind!`]).
-pub struct LayerKindEntry {
-    /// The kind name.
-    pub name: &'static str,
-    /// The registering module.
-    pub origin: &'static str,
-    /// Constructor.
-    pub build: fn() -> Box<dyn LayerKind>,
-}
-
+pub type LayerKindEntry = Entry<dyn LayerKind>;
 /// A mixer-kind registration (made by [`crate::register_mixer_kind!`]).
-pub struct MixerKindEntry {
-    /// The kind name.
-    pub name: &'static str,
-    /// The registering module.
-    pub origin: &'static str,
-    /// Constructor.
-    pub build: fn() -> Box<dyn MixerKind>,
-}
+pub type MixerKindEntry = Entry<dyn MixerKind>;
 
 /// A cache-kind registration (made by [`crate::register_cache_kind!`]):
 /// how a cache saved with [`Cache::to_tensors`] is rebuilt.
@@ -65,9 +54,9 @@ pub struct CacheKindEntry {
     pub restore: fn(&CacheTensors) -> Result<Box<dyn Cache>>,
 }
 
-inventory::collect!(ArchitectureEntry);
-inventory::collect!(LayerKindEntry);
-inventory::collect!(MixerKindEntry);
+inventory::collect!(Entry<dyn Architecture>);
+inventory::collect!(Entry<dyn LayerKind>);
+inventory::collect!(Entry<dyn MixerKind>);
 inventory::collect!(CacheKindEntry);
 
 /// Registers how a saved cache of a kind is rebuilt:
@@ -247,6 +236,24 @@ fn same_name(what: &str, registered: &str, origin: &str, reported: &str) -> Resu
     )))
 }
 
+/// Builds every registration of `Entry<T>`, checks that each reports the
+/// name it was registered under and hands it to `add` with its origin.
+fn each_built<T: ?Sized + 'static>(
+    what: &str,
+    name_of: fn(&T) -> &str,
+    mut add: impl FnMut(Arc<T>, &'static str) -> Result<()>,
+) -> Result<()>
+where
+    Entry<T>: inventory::Collect,
+{
+    for e in inventory::iter::<Entry<T>> {
+        let item = (e.build)();
+        same_name(what, e.name, e.origin, name_of(&item))?;
+        add(Arc::from(item), e.origin)?;
+    }
+    Ok(())
+}
+
 /// Everything registered, by name.
 #[derive(Default)]
 pub struct Registry {
@@ -282,21 +289,13 @@ impl Registry {
     /// Everything registered with the macros in linked crates.
     pub fn from_inventory() -> Result<Self> {
         let mut r = Self::new();
-        for e in inventory::iter::<ArchitectureEntry> {
-            let arch = (e.build)();
-            same_name("architecture", e.name, e.origin, arch.name())?;
-            r.add_architecture(Arc::from(arch), e.origin)?;
-        }
-        for e in inventory::iter::<LayerKindEntry> {
-            let kind = (e.build)();
-            same_name("layer kind", e.name, e.origin, kind.name())?;
-            r.add_layer_kind(Arc::from(kind), e.origin)?;
-        }
-        for e in inventory::iter::<MixerKindEntry> {
-            let kind = (e.build)();
-            same_name("mixer kind", e.name, e.origin, kind.name())?;
-            r.add_mixer_kind(Arc::from(kind), e.origin)?;
-        }
+        each_built::<dyn Architecture>(
+            "architecture",
+            |a| a.name(),
+            |a, o| r.add_architecture(a, o),
+        )?;
+        each_built::<dyn LayerKind>("layer kind", |k| k.name(), |k, o| r.add_layer_kind(k, o))?;
+        each_built::<dyn MixerKind>("mixer kind", |k| k.name(), |k, o| r.add_mixer_kind(k, o))?;
         for e in inventory::iter::<CacheKindEntry> {
             if let Some((prev, _)) = r.caches.get(e.name) {
                 return Err(Error::DuplicateRegistration {
@@ -435,33 +434,33 @@ impl Registry {
                 config_keys: s.item.config_keys(),
             })
             .collect();
+        let kind =
+            |what: &'static str, name: &String, origin: &String, summary: &str, keys: &[&str]| {
+                Listing {
+                    what,
+                    name: name.clone(),
+                    origin: origin.clone(),
+                    summary: summary.to_owned(),
+                    config_keys: keys.iter().map(|k| (*k).to_owned()).collect(),
+                }
+            };
         out.extend(self.kinds.iter().map(|(name, s)| {
-            Listing {
-                what: "layer kind",
-                name: name.clone(),
-                origin: s.origin.clone(),
-                summary: s.item.summary().to_owned(),
-                config_keys: s
-                    .item
-                    .option_keys()
-                    .iter()
-                    .map(|k| (*k).to_owned())
-                    .collect(),
-            }
+            kind(
+                "layer kind",
+                name,
+                &s.origin,
+                s.item.summary(),
+                s.item.option_keys(),
+            )
         }));
         out.extend(self.mixers.iter().map(|(name, s)| {
-            Listing {
-                what: "mixer kind",
-                name: name.clone(),
-                origin: s.origin.clone(),
-                summary: s.item.summary().to_owned(),
-                config_keys: s
-                    .item
-                    .option_keys()
-                    .iter()
-                    .map(|k| (*k).to_owned())
-                    .collect(),
-            }
+            kind(
+                "mixer kind",
+                name,
+                &s.origin,
+                s.item.summary(),
+                s.item.option_keys(),
+            )
         }));
         out.extend(self.caches.iter().map(|(name, (origin, summary))| Listing {
             what: "cache kind",

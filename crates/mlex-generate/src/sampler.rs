@@ -486,51 +486,24 @@ mod tests {
 
     #[test]
     fn invalid_values_name_the_option() {
-        let bad = [
+        type Edit = fn(&mut SamplerConfig);
+        let bad: [(Edit, &str); 6] = [
+            (|c| c.temp = -1.0, "SamplerConfig.temp"),
+            (|c| c.top_p = 0.0, "SamplerConfig.top_p"),
+            (|c| c.top_k = 99, "SamplerConfig.top_k"),
+            (|c| c.min_p = 1.5, "SamplerConfig.min_p"),
             (
-                SamplerConfig {
-                    temp: -1.0,
-                    ..Default::default()
-                },
-                "SamplerConfig.temp",
-            ),
-            (
-                SamplerConfig {
-                    top_p: 0.0,
-                    ..Default::default()
-                },
-                "SamplerConfig.top_p",
-            ),
-            (
-                SamplerConfig {
-                    top_k: 99,
-                    ..Default::default()
-                },
-                "SamplerConfig.top_k",
-            ),
-            (
-                SamplerConfig {
-                    min_p: 1.5,
-                    ..Default::default()
-                },
-                "SamplerConfig.min_p",
-            ),
-            (
-                SamplerConfig {
-                    repetition_penalty: 0.0,
-                    ..Default::default()
-                },
+                |c| c.repetition_penalty = 0.0,
                 "SamplerConfig.repetition_penalty",
             ),
             (
-                SamplerConfig {
-                    logit_bias: vec![(6, 1.0)],
-                    ..Default::default()
-                },
+                |c| c.logit_bias = vec![(6, 1.0)],
                 "SamplerConfig.logit_bias",
             ),
         ];
-        for (cfg, name) in bad {
+        for (edit, name) in bad {
+            let mut cfg = SamplerConfig::default();
+            edit(&mut cfg);
             let e = Sampler::new(cfg, 6).err().expect("rejected").to_string();
             assert!(e.contains(name), "{e} should name {name}");
         }

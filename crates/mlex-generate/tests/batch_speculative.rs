@@ -18,14 +18,13 @@ use std::cell::Cell;
 use std::rc::Rc;
 
 fn opts(max_tokens: usize, penalty: f32) -> GenerateOptions {
+    let sampler = SamplerConfig {
+        repetition_penalty: penalty,
+        ..Default::default()
+    };
     GenerateOptions {
         max_tokens,
-        sampler: SamplerConfig {
-            repetition_penalty: penalty,
-            ..SamplerConfig::default()
-        },
-        stop_ids: Default::default(),
-        use_prompt_cache: false,
+        sampler,
         ..Default::default()
     }
 }

@@ -3,7 +3,7 @@
 //! go. Prints the measured numbers (`cargo test -- --nocapture`), RSS too.
 
 use mlex_core::device::active_memory;
-use mlex_generate::{Flow, GenerateOptions, Generator, SamplerConfig};
+use mlex_generate::{Flow, GenerateOptions, Generator};
 use mlex_models::load::load;
 use mlex_testkit::*;
 
@@ -21,8 +21,6 @@ fn generator(name: &str) -> Generator {
 fn opts(max_tokens: usize, use_prompt_cache: bool) -> GenerateOptions {
     GenerateOptions {
         max_tokens,
-        sampler: SamplerConfig::default(),
-        stop_ids: Default::default(),
         use_prompt_cache,
         ..Default::default()
     }

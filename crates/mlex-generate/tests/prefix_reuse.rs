@@ -5,15 +5,13 @@
 //! logits at the last prompt token within 1e-5 (f32) and the same greedy
 //! tokens, on every architecture.
 
-use mlex_generate::{Flow, GenerateOptions, Generator, SamplerConfig};
+use mlex_generate::{Flow, GenerateOptions, Generator};
 use mlex_models::load::load;
 use mlex_testkit::*;
 
 fn opts(max_tokens: usize, use_prompt_cache: bool) -> GenerateOptions {
     GenerateOptions {
         max_tokens,
-        sampler: SamplerConfig::default(),
-        stop_ids: Default::default(),
         use_prompt_cache,
         ..Default::default()
     }

@@ -16,9 +16,6 @@ use mlex_testkit::*;
 fn opts(max_tokens: usize) -> GenerateOptions {
     GenerateOptions {
         max_tokens,
-        sampler: SamplerConfig::default(),
-        stop_ids: Default::default(),
-        use_prompt_cache: false,
         ..Default::default()
     }
 }

@@ -434,34 +434,26 @@ impl Registry {
                 config_keys: s.item.config_keys(),
             })
             .collect();
-        let kind =
-            |what: &'static str, name: &String, origin: &String, summary: &str, keys: &[&str]| {
-                Listing {
+        // Layer and mixer kinds list alike: name, origin, summary, options.
+        let layers = self.kinds.iter().map(|(n, s)| {
+            let (summary, keys) = (s.item.summary(), s.item.option_keys());
+            ("layer kind", n, &s.origin, summary, keys)
+        });
+        let mixers = self.mixers.iter().map(|(n, s)| {
+            let (summary, keys) = (s.item.summary(), s.item.option_keys());
+            ("mixer kind", n, &s.origin, summary, keys)
+        });
+        out.extend(
+            layers
+                .chain(mixers)
+                .map(|(what, name, origin, summary, keys)| Listing {
                     what,
                     name: name.clone(),
                     origin: origin.clone(),
                     summary: summary.to_owned(),
                     config_keys: keys.iter().map(|k| (*k).to_owned()).collect(),
-                }
-            };
-        out.extend(self.kinds.iter().map(|(name, s)| {
-            kind(
-                "layer kind",
-                name,
-                &s.origin,
-                s.item.summary(),
-                s.item.option_keys(),
-            )
-        }));
-        out.extend(self.mixers.iter().map(|(name, s)| {
-            kind(
-                "mixer kind",
-                name,
-                &s.origin,
-                s.item.summary(),
-                s.item.option_keys(),
-            )
-        }));
+                }),
+        );
         out.extend(self.caches.iter().map(|(name, (origin, summary))| Listing {
             what: "cache kind",
             name: name.clone(),

@@ -1,7 +1,7 @@
 """Writes the hybrid GGUF seeds of the gguf_header fuzz target
 (fuzz/corpus/gguf_header/hybrid-*.gguf): F32 files of a few kB in llama.cpp's
 qwen35moe, nemotron_h_moe and pre-2026 qwen3next layouts, so that mutations
-start inside the hybrid conversion (crates/mlex-models/src/gguf_hybrid.rs).
+start inside the hybrid conversion (the hybrid specs' [gguf] tables, crates/mlex-models/src/gguf).
 
     python xtask/py/fuzz_seeds.py   (with the reference venv's python)
 """

@@ -124,10 +124,6 @@ const LONG_FILES: &[(&str, &str)] = &[
         "crates/mlex-models/src/spec.rs",
         "the spec interpreter: types, checks, plan and sanitize of one format",
     ),
-    (
-        "crates/mlex-models/src/gguf/hybrid.rs",
-        "GGUF name tables in Rust: to become data in the specs (issue 24)",
-    ),
     ("crates/mlex-generate/src/batch.rs", "the batched engine"),
     (
         "crates/mlex-core/src/nn.rs",
@@ -145,9 +141,6 @@ const LONG_FILES: &[(&str, &str)] = &[
 
 /// Functions over the budget (`file::name`), each with why.
 const LONG_FNS: &[(&str, &str)] = &[
-    ("crates/mlex-models/src/gguf/hybrid.rs::qwen", "GGUF as data (issue 24) replaces it"),
-    ("crates/mlex-models/src/gguf/hybrid.rs::nemotron", "GGUF as data (issue 24) replaces it"),
-    ("crates/mlex-models/src/gguf/mod.rs::load", "GGUF as data (issue 24) replaces it"),
     ("crates/mlex-models/src/layers/attention.rs::build", "every attention variant's weights and checks in one place"),
     ("crates/mlex-server/src/engine.rs::run", "one text stream for every front end (issue 24)"),
     ("crates/mlex-cli/src/commands/batch.rs::run", "one text stream for every front end (issue 24)"),

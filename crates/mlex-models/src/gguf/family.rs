@@ -1,20 +1,24 @@
 //! What a GGUF family needs, as data: an architecture spec's `[gguf]`
 //! table names the file's `general.architecture`, the column of
 //! `names.toml` its tensors are renamed by, whether llama.cpp interleaved
-//! its q/k rows, and which metadata key gives each `config.json` entry. The
-//! loader in [`super`] reads any family so declared; adding one is a spec
-//! change (`architectures/granite.toml` is one).
+//! its q/k rows, which metadata key gives each `config.json` entry (and how
+//! an entry derives from others: a difference, a quotient, the largest of
+//! a per-layer array), and the tensors llama.cpp stores reordered, split
+//! or transformed ([`TensorRule`]). The loader in [`super`] reads any
+//! family so declared; adding one is a spec change (`architectures/
+//! granite.toml` is one, `qwen3_5.toml` and `nemotron_h.toml` the
+//! hybrids').
 //!
 //! What stays in Rust is what every such family shares: the vocabulary
 //! from the embedding's rows, a tied head when the file has no `output`,
-//! llama.cpp's `rope_freqs` factors, the quantization of each tensor. The
-//! hybrids' reorders and splits are in `hybrid.rs`.
+//! llama.cpp's `rope_freqs` factors, the quantization of each tensor, and
+//! the handful of reorders a [`TensorRule`] names (in `rules.rs`).
 
+use super::entries::MetaKey;
 use super::names::Scheme;
-use super::{bad, Meta};
+use super::rules::TensorRule;
 use mlex_core::error::Result;
 use serde::Deserialize;
-use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 
 /// `[gguf]` of an architecture spec.
@@ -30,7 +34,9 @@ pub struct GgufSpec {
     #[serde(default)]
     pub unpermute_qk: bool,
     /// `config.json` entries read from the metadata, by config key; a
-    /// metadata key is given after the `{architecture}.` prefix.
+    /// metadata key is given after the `{architecture}.` prefix. A dotted
+    /// config key (`rope_parameters.rope_theta`) is an entry of a nested
+    /// object.
     pub config: BTreeMap<String, MetaKey>,
     /// `config.json` entries set as they are.
     #[serde(default)]
@@ -39,6 +45,89 @@ pub struct GgufSpec {
     /// (`mlp_only_layers = "ffn_gate_inp"`: the layers without a router).
     #[serde(default)]
     pub blocks_without: BTreeMap<String, String>,
+    /// `config.json` entries that say whether a block has a tensor (named
+    /// after `blk.N.`: `attention_bias = "attn_q.bias"`).
+    #[serde(default)]
+    pub has_tensor: BTreeMap<String, HasTensor>,
+    /// Put before every name the checkpoint's weights have (Qwen3.5's
+    /// multimodal wrapper: `language_model.`).
+    #[serde(default)]
+    pub prefix: String,
+    /// The config nests under this key, beside the top's `model_type` and
+    /// `tie_word_embeddings` (Qwen3.5's `text_config`).
+    #[serde(default)]
+    pub nest: Option<String>,
+    /// Tensors llama.cpp stores reordered, split or transformed, by name
+    /// after `blk.N.` (`attn_qkv.weight`, `ssm_a`); the rest are renamed by
+    /// `names.toml` as they are.
+    #[serde(default)]
+    pub tensors: BTreeMap<String, TensorRule>,
+    /// The Gated DeltaNet value heads are stored tiled (slot `j * nk + g`
+    /// holds head `g * r + j`; Qwen3.5): the `value_heads` of a
+    /// [`TensorRule`] puts them back in grouped order. The head counts and
+    /// widths are the config's `linear_num_key_heads`,
+    /// `linear_num_value_heads`, `linear_key_head_dim` and
+    /// `linear_value_head_dim`.
+    #[serde(default)]
+    pub tiled_value_heads: bool,
+    /// The config entry counting the multi-token-prediction blocks
+    /// llama.cpp keeps after the trunk (`blk.{n_layer + i}`, their head's
+    /// tensors `nextn.*`): they load as the checkpoint's `mtp.*`.
+    #[serde(default)]
+    pub mtp_blocks: Option<String>,
+    /// A layer-pattern string from per-layer metadata arrays (NemotronH).
+    #[serde(default)]
+    pub layer_pattern: Option<LayerPattern>,
+    /// Tensors (after `blk.N.`) mlex cannot read, with the reason.
+    #[serde(default)]
+    pub unsupported: BTreeMap<String, String>,
+    /// The `model_type` a file of this architecture gets when it is not the
+    /// spec's own (one of its `[[also]]`).
+    #[serde(default)]
+    pub model_type: Option<String>,
+    /// Other `general.architecture`s this spec reads: each table's entries
+    /// over these (`[gguf.also.qwen35moe]`).
+    #[serde(default)]
+    pub also: BTreeMap<String, toml::Table>,
+}
+
+/// A config entry that says whether the file has a block tensor: `true`
+/// or `false`, or one of two values.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum HasTensor {
+    /// `true` when some block has the tensor.
+    Flag(String),
+    /// One value or the other.
+    Choice(HasTensorChoice),
+}
+
+/// `{ tensor = "ssm_in.weight", present = "fused", absent = "split" }`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HasTensorChoice {
+    /// The tensor, after `blk.N.`.
+    pub tensor: String,
+    /// The value when some block has it.
+    pub present: toml::Value,
+    /// The value when none has.
+    pub absent: toml::Value,
+}
+
+/// A layer pattern (one character a layer) from two per-layer arrays:
+/// no attention heads and no feed-forward width is `M` (Mamba2), heads
+/// without a feed-forward `*` (attention), a feed-forward `ffn_layer`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerPattern {
+    /// The config entry the pattern goes to.
+    pub entry: String,
+    /// The per-layer metadata array of attention kv heads.
+    pub attention: String,
+    /// The per-layer metadata array of feed-forward widths.
+    pub ffn: String,
+    /// The character of a feed-forward layer (`-` dense, `E` experts).
+    pub ffn_layer: char,
 }
 
 /// A column of `gguf/names.toml`.
@@ -60,170 +149,52 @@ impl NameScheme {
     }
 }
 
-/// Where one `config.json` entry comes from: a metadata key (a positive
-/// count, required), or a table.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
-pub enum MetaKey {
-    /// A required positive count.
-    Count(String),
-    /// Anything else.
-    Table(MetaKeyTable),
-}
-
-/// A metadata key with its type and what stands in when it is absent.
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MetaKeyTable {
-    /// The metadata key; with `keys`, the first present of several.
-    #[serde(default)]
-    pub key: Option<String>,
-    /// Alternative keys, the first present wins.
-    #[serde(default)]
-    pub keys: Vec<String>,
-    /// The value's type.
-    #[serde(default, rename = "type")]
-    pub ty: MetaType,
-    /// The value when the file has none.
-    #[serde(default)]
-    pub default: Option<toml::Value>,
-    /// Another config entry's value when the file has none.
-    #[serde(default)]
-    pub or: Option<String>,
-    /// Left out of the config when the file has none.
-    #[serde(default)]
-    pub optional: bool,
-    /// Another config entry this one may not exceed.
-    #[serde(default)]
-    pub at_most: Option<String>,
-}
-
-/// The type of a metadata value.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum MetaType {
-    /// A positive integer that fits an `i32`.
-    #[default]
-    Count,
-    /// Any integer.
-    Int,
-    /// A number.
-    Float,
-}
-
-impl MetaKey {
-    fn table(&self) -> MetaKeyTable {
-        match self {
-            MetaKey::Count(k) => MetaKeyTable {
-                key: Some(k.clone()),
-                ..MetaKeyTable::default()
-            },
-            MetaKey::Table(t) => t.clone(),
-        }
-    }
-}
-
-impl GgufSpec {
-    /// The `config.json` entries the metadata gives (with `set`); the
-    /// entries that depend on the tensors (`blocks_without`, the
-    /// vocabulary) are the loader's.
-    pub(super) fn config(&self, meta: &Meta) -> Result<Map<String, Value>> {
-        let arch = &self.architecture;
-        let full = |k: &str| format!("{arch}.{k}");
-        let mut out = Map::new();
-        let entries: Vec<(&String, MetaKeyTable)> =
-            self.config.iter().map(|(c, k)| (c, k.table())).collect();
-        // Entries that fall back on another come after the rest.
-        for pass in [false, true] {
-            for (name, e) in entries.iter().filter(|(_, e)| e.or.is_some() == pass) {
-                let keys: Vec<&String> = e.key.iter().chain(&e.keys).collect();
-                let found = keys.iter().find(|k| meta.meta.contains_key(&full(k)));
-                let value = match found {
-                    Some(k) => Some(read(meta, &full(k), e.ty)?),
-                    None => match (&e.default, &e.or) {
-                        (Some(d), _) => Some(serde_json::to_value(d).map_err(|x| {
-                            bad(meta.path, format!("gguf default of `{name}`: {x}"))
-                        })?),
-                        (None, Some(other)) => out.get(other).cloned(),
-                        (None, None) if e.optional => None,
-                        (None, None) => {
-                            let key = keys.first().map(|k| full(k)).unwrap_or_default();
-                            return Err(bad(meta.path, format!("metadata `{key}` is missing")));
-                        }
-                    },
-                };
-                if let Some(v) = value {
-                    out.insert((*name).clone(), v);
-                }
-            }
-        }
-        for (name, e) in &entries {
-            let Some(other) = &e.at_most else { continue };
-            let (v, limit) = (out.get(*name), out.get(other));
-            if let (Some(v), Some(limit)) =
-                (v.and_then(Value::as_i64), limit.and_then(Value::as_i64))
-            {
-                if v > limit {
-                    let key = |n: &str| {
-                        self.config
-                            .get(n)
-                            .and_then(|k| k.table().key)
-                            .map(|k| full(&k))
-                            .unwrap_or_else(|| n.to_owned())
-                    };
-                    return Err(bad(
-                        meta.path,
-                        format!(
-                            "metadata `{}` ({v}) exceeds `{}` ({limit})",
-                            key(name),
-                            key(other)
-                        ),
-                    ));
-                }
-            }
-        }
-        for (k, v) in &self.set {
-            let v = serde_json::to_value(v)
-                .map_err(|x| bad(meta.path, format!("gguf set `{k}`: {x}")))?;
-            out.insert(k.clone(), v);
-        }
-        Ok(out)
-    }
-}
-
-/// The value of metadata `key` as `ty`, or an error naming the file and key.
-fn read(meta: &Meta, key: &str, ty: MetaType) -> Result<Value> {
-    Ok(match ty {
-        MetaType::Float => json!(meta.f64(key)?.expect("present")),
-        MetaType::Int => json!(meta.i64(key)?.expect("present")),
-        MetaType::Count => {
-            let v = meta.i64(key)?.expect("present");
-            json!(mlex_core::config::count(v)
-                .map_err(|m| bad(meta.path, format!("metadata `{key}` {m}")))?)
-        }
-    })
-}
-
-/// The built-in spec that declares `architecture` in its own `[gguf]`
-/// table: its `model_type` and its `[gguf]` (merged over its base's, when
-/// it extends one).
+/// The built-in spec that reads files of `architecture` (its `[gguf]`
+/// table's, or one of that table's `also`): its `model_type` and the
+/// `[gguf]` (merged over its base's, when it extends one; an `also` table
+/// merged over that).
 pub(super) fn declared(architecture: &str) -> Result<Option<(String, GgufSpec)>> {
     for (model_type, own, merged) in crate::spec::builtin_tables()? {
-        let declares = own
+        if !own
             .get("gguf")
-            .and_then(|g| g.get("architecture"))
-            .and_then(toml::Value::as_str)
-            == Some(architecture);
-        if !declares {
+            .is_some_and(|g| reads(g).any(|a| a == architecture))
+        {
             continue;
         }
-        let table = merged.get("gguf").cloned().expect("declared above");
+        let mut table = merged.get("gguf").cloned().expect("declared above");
+        let variant = table.get("also").and_then(|a| a.get(architecture)).cloned();
+        if let (toml::Value::Table(t), Some(toml::Value::Table(over))) = (&mut table, variant) {
+            t.remove("also");
+            merge(t, over);
+            t.insert("architecture".into(), architecture.into());
+        }
         let spec = GgufSpec::deserialize(table).map_err(|e| {
             mlex_core::error::Error::Other(format!("architectures/{model_type}.toml [gguf]: {e}"))
         })?;
+        let model_type = spec.model_type.clone().unwrap_or(model_type);
         return Ok(Some((model_type, spec)));
     }
     Ok(None)
+}
+
+/// The architectures a `[gguf]` table reads: its own and its `also`'s.
+fn reads(gguf: &toml::Value) -> impl Iterator<Item = &str> {
+    let own = gguf.get("architecture").and_then(toml::Value::as_str);
+    let also = gguf.get("also").and_then(toml::Value::as_table);
+    own.into_iter()
+        .chain(also.into_iter().flat_map(|t| t.keys().map(String::as_str)))
+}
+
+/// `over`'s entries over `base`'s, tables entry by entry.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
 }
 
 /// Every `general.architecture` the built-in specs declare.
@@ -231,19 +202,17 @@ pub(super) fn architectures() -> Vec<String> {
     crate::spec::builtin_tables()
         .unwrap_or_default()
         .iter()
-        .filter_map(|(_, own, _)| {
-            own.get("gguf")?
-                .get("architecture")?
-                .as_str()
-                .map(str::to_owned)
-        })
+        .filter_map(|(_, own, _)| own.get("gguf"))
+        .flat_map(|g| reads(g).map(str::to_owned).collect::<Vec<_>>())
         .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gguf::Meta;
     use crate::gguf_file::MetaValue;
+    use serde_json::{json, Map, Value};
     use std::path::Path;
 
     fn config_of(arch: &str, pairs: &[(&str, MetaValue)]) -> Result<Map<String, Value>> {
@@ -276,7 +245,18 @@ mod tests {
         archs.sort();
         archs.dedup();
         assert_eq!(archs.len(), n, "{archs:?}");
-        for a in ["llama", "qwen2", "qwen3", "qwen3moe", "granite"] {
+        for a in [
+            "llama",
+            "qwen2",
+            "qwen3",
+            "qwen3moe",
+            "granite",
+            "qwen3next",
+            "qwen35",
+            "qwen35moe",
+            "nemotron_h",
+            "nemotron_h_moe",
+        ] {
             assert!(archs.iter().any(|x| x == a), "{a} in {archs:?}");
         }
         // A spec that extends one with a [gguf] does not read its files
@@ -286,6 +266,118 @@ mod tests {
         let (_, granite) = declared("granite").unwrap().unwrap();
         assert!(granite.unpermute_qk && granite.config.contains_key("num_hidden_layers"));
         assert!(declared("smollm3").unwrap().is_none());
+        // An `also` architecture: its own model type and key prefix, its
+        // entries over the base's.
+        let (model_type, moe) = declared("qwen35moe").unwrap().unwrap();
+        assert_eq!(model_type, "qwen3_5_moe");
+        assert_eq!(moe.architecture, "qwen35moe");
+        assert!(moe.config.contains_key("num_experts") && moe.tiled_value_heads);
+        assert_eq!(moe.set["model_type"].as_str(), Some("qwen3_5_moe_text"));
+        let (model_type, dense) = declared("qwen35").unwrap().unwrap();
+        assert_eq!(model_type, "qwen3_5");
+        assert!(!dense.config.contains_key("num_experts") && dense.also.contains_key("qwen35moe"));
+    }
+
+    /// Qwen3.5's metadata as llama.cpp writes it: 2 key heads of 16, 4
+    /// value heads of 16, 6 blocks, one of them multi-token prediction.
+    fn qwen35(extra: &[(&'static str, MetaValue)]) -> Vec<(&'static str, MetaValue)> {
+        let mut v = dense(&[
+            ("block_count", MetaValue::UInt(6)),
+            ("nextn_predict_layers", MetaValue::UInt(1)),
+            ("attention.key_length", MetaValue::UInt(32)),
+            ("rope.dimension_count", MetaValue::UInt(8)),
+            (
+                "rope.dimension_sections",
+                MetaValue::Array(vec![
+                    MetaValue::Int(2),
+                    MetaValue::Int(1),
+                    MetaValue::Int(1),
+                    MetaValue::Int(0),
+                ]),
+            ),
+            ("ssm.group_count", MetaValue::UInt(2)),
+            ("ssm.time_step_rank", MetaValue::UInt(4)),
+            ("ssm.state_size", MetaValue::UInt(16)),
+            ("ssm.inner_size", MetaValue::UInt(64)),
+            ("ssm.conv_kernel", MetaValue::UInt(4)),
+        ]);
+        // Later pairs win: these over `dense`'s, `extra` over these.
+        v.extend(extra.iter().cloned());
+        v
+    }
+
+    #[test]
+    fn hybrid_entries_derive_from_others() {
+        let c = config_of("qwen35", &qwen35(&[])).unwrap();
+        // The trunk is the blocks less the multi-token-prediction one; a
+        // value head's width is the inner size over the value heads.
+        assert_eq!(c["num_hidden_layers"], 5);
+        assert_eq!(c["mtp_num_hidden_layers"], 1);
+        assert_eq!(c["linear_value_head_dim"], 16);
+        // Dotted entries nest; the sections keep their first three.
+        let rope = &c["rope_parameters"];
+        assert_eq!(rope["partial_rotary_factor"], 0.25);
+        assert_eq!(rope["mrope_section"], json!([2, 1, 1]));
+        assert_eq!(rope["type"], "default");
+        assert_eq!(c["model_type"], "qwen3_5_text");
+        // The experts' entries only where the file has experts.
+        assert!(!c.contains_key("num_experts_per_tok"));
+        let moe = qwen35(&[
+            ("expert_count", MetaValue::UInt(4)),
+            ("expert_used_count", MetaValue::UInt(2)),
+            ("expert_feed_forward_length", MetaValue::UInt(32)),
+        ]);
+        let c = config_of("qwen35moe", &moe).unwrap();
+        assert_eq!(c["num_experts_per_tok"], 2);
+        assert_eq!(c["shared_expert_intermediate_size"], 0);
+        assert_eq!(c["model_type"], "qwen3_5_moe_text");
+        // NemotronH: per-layer arrays give their largest value.
+        let arr = |v: &[u64]| MetaValue::Array(v.iter().map(|&x| MetaValue::UInt(x)).collect());
+        let nemo = [
+            ("block_count", MetaValue::UInt(3)),
+            ("embedding_length", MetaValue::UInt(64)),
+            ("attention.head_count", MetaValue::UInt(4)),
+            ("attention.head_count_kv", arr(&[0, 2, 0])),
+            ("feed_forward_length", arr(&[0, 0, 96])),
+            ("ssm.time_step_rank", MetaValue::UInt(8)),
+            ("ssm.group_count", MetaValue::UInt(2)),
+            ("ssm.inner_size", MetaValue::UInt(128)),
+            ("ssm.state_size", MetaValue::UInt(16)),
+            ("ssm.conv_kernel", MetaValue::UInt(4)),
+        ];
+        let c = config_of("nemotron_h", &nemo).unwrap();
+        assert_eq!(
+            (
+                c["num_key_value_heads"].clone(),
+                c["intermediate_size"].clone()
+            ),
+            (json!(2), json!(96))
+        );
+        assert_eq!(c["mamba_head_dim"], 16);
+    }
+
+    #[test]
+    fn hybrid_metadata_that_does_not_add_up_names_the_keys() {
+        let e = config_of(
+            "qwen35",
+            &qwen35(&[("ssm.inner_size", MetaValue::UInt(66))]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`qwen35.ssm.inner_size` (66) must be a multiple of `qwen35.ssm.time_step_rank` (4)"),
+            "{e}"
+        );
+        let e = config_of(
+            "qwen35",
+            &qwen35(&[("nextn_predict_layers", MetaValue::UInt(6))]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`qwen35.block_count` (6) must exceed `qwen35.nextn_predict_layers` (6)"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -72,15 +72,6 @@ pub(super) fn block(scheme: Scheme, module: &str) -> Option<&'static str> {
     lookup(&table().blocks, scheme, module)
 }
 
-/// Every block module renamed as it is, with its target, for `scheme`.
-pub(super) fn blocks(scheme: Scheme) -> impl Iterator<Item = (&'static str, &'static str)> {
-    table()
-        .blocks
-        .get(scheme.column())
-        .into_iter()
-        .flat_map(|m| m.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-}
-
 /// The `mtp.*` module of a multi-token-prediction block's `nextn.*` one.
 pub(super) fn nextn() -> impl Iterator<Item = (&'static str, &'static str)> {
     table().nextn.iter().map(|(k, v)| (k.as_str(), v.as_str()))

@@ -282,7 +282,7 @@ pub struct ModelArgs {
     /// always dequantizes.
     #[arg(long, value_enum, default_value_t = WeightForm::Auto)]
     pub weights: WeightForm,
-    /// Prompt tokens per prefill step (default: 4096 on a GPU, 256 on the CPU).
+    /// Prompt tokens per prefill step (default: 4096 on a GPU, 64 on the CPU).
     #[arg(long, allow_negative_numbers = true, value_name = "TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: Option<u32>,
     /// Snapshot recurrent state every N prompt tokens for prefix reuse (0: only at each prompt's end).

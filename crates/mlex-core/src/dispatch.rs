@@ -60,6 +60,16 @@ pub struct Dispatch {
     /// float32 activations only at some shapes and none for a gathered
     /// (MoE) product. True when the default device is a CUDA GPU.
     pub dequantize_f32_products: bool,
+    /// Quantized products of a few rows (decode, a verify) with bfloat16
+    /// or float16 activations run as float32 quantized matmuls (the
+    /// activations cast up, the product cast back). MLX's CPU quantized
+    /// matmul (0.32) is 5-7x slower for half-precision activations at one
+    /// row and accumulates in half precision; the float32 route decodes
+    /// 4-bit models 1.5-6x faster on the CPU but leaves mlx-lm's numbers
+    /// (greedy tokens of the random-weight fixtures part after 4-26
+    /// steps), so it is off unless asked for (`MLEX_REROUTE_HALF_QUANTIZED=1`,
+    /// CPU only; docs/BENCHMARKS.md, 2026-12-07).
+    pub reroute_half_quantized: bool,
     /// Attention over a quantized KV cache (`--kv-bits`) dequantizes the
     /// layer's keys and values and runs the fused attention, instead of
     /// mlx-lm's quantized products: MLX's CUDA backend (0.32) has no
@@ -141,6 +151,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "0 keeps q/k/v and gate/up as separate products",
     ),
     (
+        "MLEX_REROUTE_HALF_QUANTIZED",
+        "1 runs few-row quantized products with half-precision activations in float32 (CPU)",
+    ),
+    (
         "MLEX_LAYER_SYNC_ROWS",
         "forwards of several tokens a row and at least this many rows run one layer ahead of the GPU: a count, or 0 for whole-step graphs",
     ),
@@ -167,13 +181,15 @@ impl Dispatch {
             dense_product: None,
             fuse_projections: true,
             dequantize_f32_products: cuda_device,
+            reroute_half_quantized: false,
             dequantize_kv_reads: cuda_device,
             masked_attention_ops: cuda,
             // A 4,096-token step prefills 7.7x faster than 512 on the H200.
-            // On the CPU a step of 256 prefilled as fast as 512 or faster
-            // and peaked 15-45% lower (the attention scores of a step are
-            // its largest transient; docs/BENCHMARKS.md, 2026-12-06).
-            prefill_chunk: if gpu { 4096 } else { 256 },
+            // On the CPU prefill speed was flat from steps of 512 down to
+            // 64 (within the 2-core machine's noise) while the peak fell
+            // with the step (a step's attention scores and activations are
+            // its transients): 64 (docs/BENCHMARKS.md, 2026-12-06, 12-07).
+            prefill_chunk: if gpu { 4096 } else { 64 },
             layer_sync_rows: cuda.then_some(1024),
             scan_piece: 1024,
             // Measured on the H100 (batch 4-32 lost 0.3-0.9x at A = 0.8,
@@ -233,6 +249,10 @@ impl Dispatch {
                 _ => return Err(bad("MLEX_SPECULATIVE_ROWS", &v, "a count within 1-256")),
             };
         }
+        if let Some(v) = var("MLEX_REROUTE_HALF_QUANTIZED") {
+            let on = flag("MLEX_REROUTE_HALF_QUANTIZED", &v)?;
+            self.reroute_half_quantized = on && self.backend == Backend::Cpu;
+        }
         if let Some(v) = var("MLEX_FUSE_PROJECTIONS") {
             self.fuse_projections = flag("MLEX_FUSE_PROJECTIONS", &v)?;
         }
@@ -284,6 +304,7 @@ impl Dispatch {
             "attention_rows_kernel": self.attention_rows_kernel,
             "fuse_projections": self.fuse_projections,
             "dequantize_f32_products": self.dequantize_f32_products,
+            "reroute_half_quantized": self.reroute_half_quantized,
             "dequantize_kv_reads": self.dequantize_kv_reads,
             "masked_attention_ops": self.masked_attention_ops,
             "prefill_chunk": self.prefill_chunk,
@@ -368,6 +389,7 @@ mod tests {
             ("MLEX_OPS_ATTENTION_ROWS", "2-99"),
             ("MLEX_FUSED_DECODE", "yes"),
             ("MLEX_LAYER_SYNC_ROWS", "-3"),
+            ("MLEX_REROUTE_HALF_QUANTIZED", "on"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{e}");
@@ -377,5 +399,16 @@ mod tests {
         cpu.apply_env(|k| (k == "MLEX_FUSED_DECODE").then(|| "1".to_owned()))
             .unwrap();
         assert!(!cpu.fused_decode);
+        // The float32 route of half-precision quantized products: asked
+        // for, on the CPU only.
+        assert!(!cpu.reroute_half_quantized);
+        cpu.apply_env(|k| (k == "MLEX_REROUTE_HALF_QUANTIZED").then(|| "1".to_owned()))
+            .unwrap();
+        assert!(cpu.reroute_half_quantized);
+        assert!(
+            !with(&[("MLEX_REROUTE_HALF_QUANTIZED", "1")])
+                .unwrap()
+                .reroute_half_quantized
+        );
     }
 }

@@ -106,7 +106,15 @@ pub fn load_quantized(
 pub struct Product {
     few_rows: Option<(DenseProduct, (i32, i32))>,
     dequantize_f32: bool,
+    reroute_half: bool,
 }
+
+/// Rows (all axes but the last) below which a half-precision quantized
+/// product is rerouted to float32 (when the dispatch asks): decode and
+/// verify forwards. A prefill's product keeps MLX's half-precision kernel:
+/// the float32 one is 7x faster there too but holds a float32 temporary
+/// of about the weight's dequantized size (docs/BENCHMARKS.md, 2026-12-07).
+const REROUTED_ROWS: usize = 16;
 
 impl Product {
     /// The products `d` chooses.
@@ -114,6 +122,7 @@ impl Product {
         Self {
             few_rows: d.few_row_product(),
             dequantize_f32: d.dequantize_f32_products,
+            reroute_half: d.reroute_half_quantized,
         }
     }
 
@@ -142,6 +151,20 @@ impl Product {
         self.dequantize_f32 && x.dtype() == Dtype::Float32
     }
 
+    /// The activations a quantized product takes: `x` cast to float32 where
+    /// a few rows of half-precision activations are rerouted (see
+    /// [`Dispatch::reroute_half_quantized`](crate::dispatch::Dispatch)),
+    /// with the dtype the product is cast back to.
+    pub fn quantized_input(&self, x: &Array) -> Result<(Array, Option<Dtype>)> {
+        let rows = x.size() / x.shape().last().map_or(1, |&n| n.max(1) as usize);
+        match x.dtype() {
+            d @ (Dtype::Bfloat16 | Dtype::Float16) if self.reroute_half && rows < REROUTED_ROWS => {
+                Ok((x.as_dtype(Dtype::Float32)?, Some(d)))
+            }
+            _ => Ok((x.clone(), None)),
+        }
+    }
+
     /// `x @ dequantize(w)^T` for an affine-quantized `[out, in]` weight.
     pub fn quantized(
         &self,
@@ -155,15 +178,12 @@ impl Product {
             let dense = ops::dequantize(w, scales, biases, spec.group_size, spec.bits)?;
             return Ok(ops::matmul(x, dense.as_dtype(x.dtype())?.t())?);
         }
-        Ok(ops::quantized_matmul(
-            x,
-            w,
-            scales,
-            biases,
-            true,
-            spec.group_size,
-            spec.bits,
-        )?)
+        let (x, back) = self.quantized_input(x)?;
+        let y = ops::quantized_matmul(&x, w, scales, biases, true, spec.group_size, spec.bits)?;
+        Ok(match back {
+            Some(d) => y.as_dtype(d)?,
+            None => y,
+        })
     }
 }
 
@@ -821,4 +841,54 @@ pub fn softplus(x: &Array) -> Result<Array> {
 /// A scalar of `dtype`.
 pub fn scalar(v: f32, dtype: Dtype) -> Result<Array> {
     Ok(Array::from_f32(v).as_dtype(dtype)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Backend;
+    use crate::dispatch::Dispatch;
+
+    /// The rerouted route is taken for a few rows of half-precision
+    /// activations only, and is the float32 quantized product cast back.
+    #[test]
+    fn half_precision_quantized_products_reroute_a_few_rows_only() {
+        let w = mlx_rs::random::normal::<f32>(&[256, 128], None, None, None)
+            .unwrap()
+            .as_dtype(Dtype::Bfloat16)
+            .unwrap();
+        let (wq, s, b) = ops::quantize(&w, 64, 4).unwrap();
+        let spec = QuantSpec {
+            group_size: 64,
+            bits: 4,
+        };
+        let mut d = Dispatch::for_backend(Backend::Cpu, false);
+        let plain = Product::of(&d);
+        d.reroute_half_quantized = true;
+        let rerouted = Product::of(&d);
+        let qmm = |x: &Array| ops::quantized_matmul(x, &wq, &s, &b, true, 64, 4).unwrap();
+        for rows in [1, 4, REROUTED_ROWS as i32] {
+            let x = mlx_rs::random::normal::<f32>(&[rows, 128], None, None, None)
+                .unwrap()
+                .as_dtype(Dtype::Bfloat16)
+                .unwrap();
+            let half = qmm(&x);
+            let f32_route = qmm(&x.as_dtype(Dtype::Float32).unwrap())
+                .as_dtype(Dtype::Bfloat16)
+                .unwrap();
+            // The two routes round differently (else this test could not
+            // tell them apart).
+            assert!(!f32_route.eq_values(&half).unwrap());
+            let y = rerouted.quantized(&x, &wq, &s, &b, &spec).unwrap();
+            let want = if (rows as usize) < REROUTED_ROWS {
+                &f32_route
+            } else {
+                &half
+            };
+            assert!(y.eq_values(want).unwrap(), "{rows} rows");
+            assert_eq!(y.dtype(), Dtype::Bfloat16);
+            let y = plain.quantized(&x, &wq, &s, &b, &spec).unwrap();
+            assert!(y.eq_values(&half).unwrap(), "{rows} rows, plain");
+        }
+    }
 }

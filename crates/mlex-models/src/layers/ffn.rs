@@ -103,18 +103,25 @@ impl SwitchLinear {
                 .as_dtype(x.dtype())?;
                 ops::gather_mm(x, dense.swap_axes(-1, -2)?, None, indices, false)?
             }
-            Some(q) => ops::gather_qmm(
-                x,
-                w,
-                p.get(q.scales)?,
-                p.get(q.biases)?,
-                None,
-                indices,
-                true,
-                q.spec.group_size,
-                q.spec.bits,
-                false,
-            )?,
+            Some(q) => {
+                let (x, back) = self.product.quantized_input(x)?;
+                let y = ops::gather_qmm(
+                    &x,
+                    w,
+                    p.get(q.scales)?,
+                    p.get(q.biases)?,
+                    None,
+                    indices,
+                    true,
+                    q.spec.group_size,
+                    q.spec.bits,
+                    false,
+                )?;
+                match back {
+                    Some(d) => y.as_dtype(d)?,
+                    None => y,
+                }
+            }
         })
     }
 }

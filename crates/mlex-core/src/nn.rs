@@ -151,18 +151,19 @@ impl Product {
         self.dequantize_f32 && x.dtype() == Dtype::Float32
     }
 
-    /// The activations a quantized product takes: `x` cast to float32 where
-    /// a few rows of half-precision activations are rerouted (see
-    /// [`Dispatch::reroute_half_quantized`](crate::dispatch::Dispatch)),
-    /// with the dtype the product is cast back to.
-    pub fn quantized_input(&self, x: &Array) -> Result<(Array, Option<Dtype>)> {
-        let rows = x.size() / x.shape().last().map_or(1, |&n| n.max(1) as usize);
-        match x.dtype() {
-            d @ (Dtype::Bfloat16 | Dtype::Float16) if self.reroute_half && rows < REROUTED_ROWS => {
-                Ok((x.as_dtype(Dtype::Float32)?, Some(d)))
-            }
-            _ => Ok((x.clone(), None)),
+    /// Where a few rows of half-precision activations are rerouted (see
+    /// [`Dispatch::reroute_half_quantized`](crate::dispatch::Dispatch)): `x`
+    /// cast to float32 and the dtype the product is cast back to; `None`:
+    /// the product takes `x` as it is.
+    pub fn rerouted_input(&self, x: &Array) -> Result<Option<(Array, Dtype)>> {
+        if !self.reroute_half || !matches!(x.dtype(), Dtype::Bfloat16 | Dtype::Float16) {
+            return Ok(None);
         }
+        let rows = x.size() / x.shape().last().map_or(1, |&n| n.max(1) as usize);
+        if rows >= REROUTED_ROWS {
+            return Ok(None);
+        }
+        Ok(Some((x.as_dtype(Dtype::Float32)?, x.dtype())))
     }
 
     /// `x @ dequantize(w)^T` for an affine-quantized `[out, in]` weight.
@@ -178,11 +179,12 @@ impl Product {
             let dense = ops::dequantize(w, scales, biases, spec.group_size, spec.bits)?;
             return Ok(ops::matmul(x, dense.as_dtype(x.dtype())?.t())?);
         }
-        let (x, back) = self.quantized_input(x)?;
-        let y = ops::quantized_matmul(&x, w, scales, biases, true, spec.group_size, spec.bits)?;
-        Ok(match back {
-            Some(d) => y.as_dtype(d)?,
-            None => y,
+        let qmm = |x: &Array| {
+            ops::quantized_matmul(x, w, scales, biases, true, spec.group_size, spec.bits)
+        };
+        Ok(match self.rerouted_input(x)? {
+            Some((x32, d)) => qmm(&x32)?.as_dtype(d)?,
+            None => qmm(x)?,
         })
     }
 }

@@ -241,8 +241,9 @@ impl GgufSpec {
         if matches!(&v, Value::Array(a) if a.is_empty()) {
             return Ok(None);
         }
-        for m in &e.multiple_of {
-            let (x, d) = (v.as_i64().unwrap_or(0), other(m).unwrap_or(1.0) as i64);
+        // `x` divided by entry `m`'s value, exactly, or an error naming both keys.
+        let divide = |x: i64, m: &str| -> Result<i64> {
+            let d = other(m).unwrap_or(1.0) as i64;
             if d == 0 || x % d != 0 {
                 return Err(bad(
                     meta.path,
@@ -252,6 +253,10 @@ impl GgufSpec {
                     ),
                 ));
             }
+            Ok(x / d)
+        };
+        for m in &e.multiple_of {
+            divide(v.as_i64().unwrap_or(0), m)?;
         }
         if let Some(m) = &e.minus {
             let (x, d) = (v.as_i64().unwrap_or(0), other(m).unwrap_or(0.0) as i64);
@@ -270,19 +275,7 @@ impl GgufSpec {
             let d = other(p).unwrap_or(1.0);
             v = match e.ty {
                 MetaType::Float => json!(v.as_f64().unwrap_or(0.0) / d),
-                _ => {
-                    let (x, d) = (v.as_i64().unwrap_or(0), d as i64);
-                    if d == 0 || x % d != 0 {
-                        return Err(bad(
-                            meta.path,
-                            format!(
-                                "metadata `{key}` ({x}) must be a multiple of `{}` ({d})",
-                                self.key_of(p)
-                            ),
-                        ));
-                    }
-                    json!(x / d)
-                }
+                _ => json!(divide(v.as_i64().unwrap_or(0), p)?),
             };
         }
         if let (Some(min), Some(x)) = (e.at_least, v.as_i64()) {

@@ -104,22 +104,23 @@ impl SwitchLinear {
                 ops::gather_mm(x, dense.swap_axes(-1, -2)?, None, indices, false)?
             }
             Some(q) => {
-                let (x, back) = self.product.quantized_input(x)?;
-                let y = ops::gather_qmm(
-                    &x,
-                    w,
-                    p.get(q.scales)?,
-                    p.get(q.biases)?,
-                    None,
-                    indices,
-                    true,
-                    q.spec.group_size,
-                    q.spec.bits,
-                    false,
-                )?;
-                match back {
-                    Some(d) => y.as_dtype(d)?,
-                    None => y,
+                let gqmm = |x: &Array| -> Result<Array> {
+                    Ok(ops::gather_qmm(
+                        x,
+                        w,
+                        p.get(q.scales)?,
+                        p.get(q.biases)?,
+                        None,
+                        indices,
+                        true,
+                        q.spec.group_size,
+                        q.spec.bits,
+                        false,
+                    )?)
+                };
+                match self.product.rerouted_input(x)? {
+                    Some((x32, d)) => gqmm(&x32)?.as_dtype(d)?,
+                    None => gqmm(x)?,
                 }
             }
         })

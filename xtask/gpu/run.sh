@@ -49,6 +49,25 @@ models() { python3 $B/make_bench_models.py /tmp/models --scale real --shapes "$1
 # ARGS: its --shapes, --pairs, --out, ...).
 vs_mlxlm() { python3 $B/bench_vs_mlxlm.py --mlex $M --models /tmp/models --device gpu --scale real "$@"; }
 
+# A markdown table of the JSON lines of FILE, a row a group of them with the
+# same values of the space-separated fields KEYS: the header of the
+# |-separated COLUMNS, then what the python on stdin prints, with rows (the
+# groups: {(key values): [run, ...]}) and med(vs, FIELD) (the median of a
+# field over the runs vs) at hand.
+medians() {
+  python3 -c '
+import json, sys, statistics as st
+rows = {}
+for l in open(sys.argv[1]):
+    v = json.loads(l)
+    rows.setdefault(tuple(v[k] for k in sys.argv[2].split()), []).append(v)
+print(f"| {sys.argv[3]} |")
+print("|" + "---|" * len(sys.argv[3].split("|")))
+def med(vs, k):
+    return st.median(x[k] for x in vs)
+'"$(cat)" "$@"
+}
+
 # The custom kernels' tests (.gpu/test-*) on CUDA, ignored ones included:
 # their lines that match the grep -E PATTERN.
 kernel_tests() {

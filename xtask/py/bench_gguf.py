@@ -33,12 +33,12 @@ def padded_vocab(vocab_size: int):
 tiny_vocab = fixtures.tiny_gpt2_vocab
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--kind", default="q8_0")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     cfg = json.loads((a.model / "config.json").read_text())
     if cfg["model_type"] not in fixtures.GGUF_ARCH:
         sys.exit(f"{a.model}: model_type {cfg['model_type']} is not a llama-family GGUF architecture")

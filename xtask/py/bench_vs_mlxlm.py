@@ -202,87 +202,80 @@ def fmt_mem(b) -> str:
     return f"{b / 1e6:,.0f}" if b >= 1e8 else f"{b / 1e6:.1f}"
 
 
-def markdown_batch(result: dict) -> str:
-    m = result["meta"]
+def versions(m: dict) -> str:
+    """The report's last words on the setup: both engines on their MLX, the
+    host, the date."""
     env = m.get("mlex_env") or {}
-    lines = [
-        f"mlex `bench --batch B` vs mlx-lm `BatchGenerator`, {m['scale']} shapes, device {m['device']}, "
-        f"{m['pairs']} pairs (mlex then mlx-lm, each a fresh process), B prompts of {m['prompt_len']} random ids, "
-        f"{m['gen']} greedy tokens each, wall time from submission to the last token; "
+    return (
         f"{m['mlex_version']} on mlx {env.get('mlx_version', '?')} ({env.get('backend', '?')}"
         f"{', ' + env['gpu_name'] if env.get('gpu_name') else ''}); "
-        f"mlx-lm {m['mlx_lm_version']} on mlx {m['mlx_version']}; {m['host']}, {m['date']}.",
-        "",
-        "Ratios are mlex / mlx-lm: median over pairs (min–max); tok/s: median over runs; "
-        "peak memory: the largest over runs, MB.",
-        "",
-        "| shape | weights | batch | ok pairs | aggregate mlex / mlx-lm | mlex tok/s | mlx-lm tok/s "
-        "| prefill mlex / mlx-lm | decode mlex / mlx-lm | mlex peak MB | mlx-lm peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    notes = []
-    for c in result["cases"]:
-        s = c["summary"]
-        o, t = s["mlex"], s["mlx-lm"]
-        ok_pairs = s["ratio_agg"]["n"] if s["ratio_agg"] else 0
-        weights = "bf16" if c["quant"] == "bf16" else f"{c['quant']}-bit"
-        lines.append(
-            f"| {c['shape']} | {weights} | {c['batch']} | {ok_pairs}/{c['pairs']} "
-            f"| {fmt_ratio(s['ratio_agg'])} | {fmt_rate(o['agg_tok_s'])} | {fmt_rate(t['agg_tok_s'])} "
-            f"| {fmt_ratio(s['ratio_prefill'])} | {fmt_ratio(s['ratio_decode'])} "
-            f"| {fmt_mem(o['peak_memory_bytes'])} | {fmt_mem(t['peak_memory_bytes'])} |"
-        )
-        for eng in ("mlex", "mlx-lm"):
-            if s[eng]["failures"]:
-                e = s[eng]
-                notes.append(f"- {c['shape']} {weights} batch {c['batch']}: {eng} "
-                             f"{e['runs'] - e['runs_ok']} of {e['runs']} runs {'/'.join(e['failures'])}")
-    if result.get("skipped"):
-        notes.append(f"- not run (deadline): {', '.join(result['skipped'])}")
-    if notes:
-        lines += ["", *notes]
-    return "\n".join(lines) + "\n"
+        f"mlx-lm {m['mlx_lm_version']} on mlx {m['mlx_version']}; {m['host']}, {m['date']}."
+    )
+
+
+def ratios(s: dict, *whats: str) -> list[str]:
+    """The mlex / mlx-lm ratios of ``whats`` (prefill, decode, agg)."""
+    return [fmt_ratio(s[f"ratio_{what}"]) for what in whats]
+
+
+def rates(s: dict, what: str) -> list[str]:
+    """The ``what`` tok/s of mlex and of mlx-lm."""
+    return [fmt_rate(s[eng][f"{what}_tok_s"]) for eng in ("mlex", "mlx-lm")]
 
 
 def markdown(result: dict) -> str:
-    if result["meta"].get("batches"):
-        return markdown_batch(result)
+    """The sweep as a table, a row a case (with --batches: a case a batch
+    size, aggregate tok/s first; else a case a prompt length), and a note a
+    failed engine."""
     m = result["meta"]
-    env = m.get("mlex_env") or {}
+    if m.get("batches"):
+        intro = (
+            f"mlex `bench --batch B` vs mlx-lm `BatchGenerator`, {m['scale']} shapes, device {m['device']}, "
+            f"{m['pairs']} pairs (mlex then mlx-lm, each a fresh process), B prompts of {m['prompt_len']} random ids, "
+            f"{m['gen']} greedy tokens each, wall time from submission to the last token; "
+        )
+        faster, label, key, ok_ratio = "", "batch", "batch", "ratio_agg"
+        columns = ["aggregate mlex / mlx-lm", "mlex tok/s", "mlx-lm tok/s"]
+        columns += ["prefill mlex / mlx-lm", "decode mlex / mlx-lm"]
+
+        def cells(s):
+            return [*ratios(s, "agg"), *rates(s, "agg"), *ratios(s, "prefill", "decode")]
+
+    else:
+        intro = (
+            f"mlex vs mlx-lm, {m['scale']} shapes, device {m['device']}, {m['pairs']} pairs "
+            f"(mlex then mlx-lm, each a fresh process), gen {m['gen']}, best of {m['repeats']} per run; "
+        )
+        faster, label, key, ok_ratio = " (above 1: mlex faster)", "prompt", "prompt_len", "ratio_decode"
+        columns = ["prefill mlex / mlx-lm", "decode mlex / mlx-lm"]
+        columns += [f"{eng} {what} tok/s" for what in ("prefill", "decode") for eng in ("mlex", "mlx-lm")]
+
+        def cells(s):
+            return [*ratios(s, "prefill", "decode"), *rates(s, "prefill"), *rates(s, "decode")]
+
+    columns = ["shape", "weights", label, "ok pairs", *columns, "mlex peak MB", "mlx-lm peak MB"]
     lines = [
-        f"mlex vs mlx-lm, {m['scale']} shapes, device {m['device']}, {m['pairs']} pairs "
-        f"(mlex then mlx-lm, each a fresh process), gen {m['gen']}, best of {m['repeats']} per run; "
-        f"{m['mlex_version']} on mlx {env.get('mlx_version', '?')} ({env.get('backend', '?')}"
-        f"{', ' + env['gpu_name'] if env.get('gpu_name') else ''}); "
-        f"mlx-lm {m['mlx_lm_version']} on mlx {m['mlx_version']}; "
-        f"{m['host']}, {m['date']}.",
+        intro + versions(m),
         "",
-        "Ratios are mlex / mlx-lm (above 1: mlex faster): median over pairs (min–max); "
+        f"Ratios are mlex / mlx-lm{faster}: median over pairs (min–max); "
         "tok/s: median over runs; peak memory: the largest over runs, MB.",
         "",
-        "| shape | weights | prompt | ok pairs | prefill mlex / mlx-lm | decode mlex / mlx-lm "
-        "| mlex prefill tok/s | mlx-lm prefill tok/s | mlex decode tok/s | mlx-lm decode tok/s "
-        "| mlex peak MB | mlx-lm peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
     ]
     notes = []
     for c in result["cases"]:
         s = c["summary"]
-        o, t = s["mlex"], s["mlx-lm"]
-        ok_pairs = s["ratio_decode"]["n"] if s["ratio_decode"] else 0
+        ok_pairs = s[ok_ratio]["n"] if s[ok_ratio] else 0
         weights = "bf16" if c["quant"] == "bf16" else f"{c['quant']}-bit"
-        lines.append(
-            f"| {c['shape']} | {weights} | {c['prompt_len']} | {ok_pairs}/{c['pairs']} "
-            f"| {fmt_ratio(s['ratio_prefill'])} | {fmt_ratio(s['ratio_decode'])} "
-            f"| {fmt_rate(o['prefill_tok_s'])} | {fmt_rate(t['prefill_tok_s'])} "
-            f"| {fmt_rate(o['decode_tok_s'])} | {fmt_rate(t['decode_tok_s'])} "
-            f"| {fmt_mem(o['peak_memory_bytes'])} | {fmt_mem(t['peak_memory_bytes'])} |"
-        )
+        row = [c["shape"], weights, c[key], f"{ok_pairs}/{c['pairs']}", *cells(s)]
+        row += [fmt_mem(s[eng]["peak_memory_bytes"]) for eng in ("mlex", "mlx-lm")]
+        lines.append("| " + " | ".join(map(str, row)) + " |")
         for eng in ("mlex", "mlx-lm"):
             if s[eng]["failures"]:
                 e = s[eng]
                 notes.append(
-                    f"- {c['shape']} {weights} prompt {c['prompt_len']}: {eng} "
+                    f"- {c['shape']} {weights} {label} {c[key]}: {eng} "
                     f"{e['runs'] - e['runs_ok']} of {e['runs']} runs {'/'.join(e['failures'])}"
                 )
     if result.get("skipped"):

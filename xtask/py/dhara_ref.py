@@ -69,13 +69,9 @@ GEN_LEN = 32
 # Config handling (keys and defaults of the real `dhara_ar` config.json)
 # ---------------------------------------------------------------------------
 
-# Defaults as read by both existing ports (OptiQ's MLX `dhara_ar.py`, crates.io mlex
-# 0.1.3 `models/dhara.rs`). rope_theta: OptiQ default 8e6 (the real value); mlex 0.1.3
-# falls back to 1e5 if the key is missing -- the real config carries it, so it never
-# matters; fixtures always write it.
-DEFAULTS = {
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 8_000_000.0,
+# The real model's features (tied embeddings, qk-norm, logit softcap, Canon
+# layers): part of DEFAULTS, and what the fixtures write.
+FEATURE_DEFAULTS = {
     "tie_word_embeddings": True,
     "use_qk_norm": True,
     "use_logit_softcap": True,
@@ -85,6 +81,16 @@ DEFAULTS = {
     "canon_residual": True,
     "canon_activation": False,
     "canon_bias": False,
+}
+
+# Defaults as read by both existing ports (OptiQ's MLX `dhara_ar.py`, crates.io mlex
+# 0.1.3 `models/dhara.rs`). rope_theta: OptiQ default 8e6 (the real value); mlex 0.1.3
+# falls back to 1e5 if the key is missing -- the real config carries it, so it never
+# matters; fixtures always write it.
+DEFAULTS = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 8_000_000.0,
+    **FEATURE_DEFAULTS,
 }
 
 
@@ -414,15 +420,7 @@ BASE_CONFIG = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 8000000.0,
     "hidden_act": "silu",
-    "tie_word_embeddings": True,
-    "use_qk_norm": True,
-    "use_logit_softcap": True,
-    "logit_softcap": 30.0,
-    "canon_set": "ABCD",
-    "canon_kernel": 4,
-    "canon_residual": True,
-    "canon_activation": False,
-    "canon_bias": False,
+    **FEATURE_DEFAULTS,
     "mask_token_id": 255,
     "torch_dtype": "float32",
 }

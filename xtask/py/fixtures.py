@@ -111,6 +111,10 @@ TINY_MOE = dict(
     norm_topk_prob=True,
 )
 
+# Qwen3-Next's RoPE (its gated attention layers, also those of hybrid_mix):
+# a quarter of each head rotated.
+QWEN3_NEXT_ROPE = dict(rope_theta=10000.0, partial_rotary_factor=0.25)
+
 LINEAR_ATTENTION = dict(
     linear_num_value_heads=4,
     linear_num_key_heads=2,
@@ -134,11 +138,19 @@ MAMBA2 = dict(
 )
 
 
+# TINY for the models that derive the head size (hidden / heads).
+TINY_NO_HEAD_DIM = {k: v for k, v in TINY.items() if k != "head_dim"}
+
+
+def tiny_config(model_type: str, dims: dict = TINY, **fields) -> dict:
+    """A config of ``model_type``: ``dims``, then ``COMMON``, then ``fields``."""
+    return dict(model_type=model_type, **dims, **COMMON, **fields)
+
+
 def llama_config(dims: dict = TINY, *, tie: bool = True) -> dict:
-    return dict(
-        model_type="llama",
-        **dims,
-        **COMMON,
+    return tiny_config(
+        "llama",
+        dims,
         rope_theta=10000.0,
         attention_bias=False,
         mlp_bias=False,
@@ -147,22 +159,17 @@ def llama_config(dims: dict = TINY, *, tie: bool = True) -> dict:
 
 
 def qwen2_config() -> dict:
-    dims = {k: v for k, v in TINY.items() if k != "head_dim"}
-    return dict(
-        model_type="qwen2", **dims, **COMMON, rope_theta=1000000.0, tie_word_embeddings=True
-    )
+    return tiny_config("qwen2", TINY_NO_HEAD_DIM, rope_theta=1000000.0, tie_word_embeddings=True)
 
 
 def qwen2_moe_config() -> dict:
     """Qwen2-MoE, served by ``examples/specs/qwen2_moe.toml``, a spec that
     extends ``qwen2``: every layer sparse, scores not renormalised, a shared
     expert behind a sigmoid gate (mlx-lm's qwen2_moe.py)."""
-    dims = {k: v for k, v in TINY.items() if k != "head_dim"}
     moe = {k: v for k, v in TINY_MOE.items() if k != "norm_topk_prob"}
-    return dict(
-        model_type="qwen2_moe",
-        **dims,
-        **COMMON,
+    return tiny_config(
+        "qwen2_moe",
+        TINY_NO_HEAD_DIM,
         **moe,
         shared_expert_intermediate_size=64,
         rope_theta=1000000.0,
@@ -171,14 +178,12 @@ def qwen2_moe_config() -> dict:
 
 
 def qwen3_config() -> dict:
-    return dict(model_type="qwen3", **TINY, **COMMON, rope_theta=1000000.0, tie_word_embeddings=True)
+    return tiny_config("qwen3", rope_theta=1000000.0, tie_word_embeddings=True)
 
 
 def qwen3_moe_config() -> dict:
-    return dict(
-        model_type="qwen3_moe",
-        **TINY,
-        **COMMON,
+    return tiny_config(
+        "qwen3_moe",
         **TINY_MOE,
         decoder_sparse_step=1,
         mlp_only_layers=[0],
@@ -188,13 +193,10 @@ def qwen3_moe_config() -> dict:
 
 
 def qwen3_next_config(*, moe: bool = False) -> dict:
-    cfg = dict(
-        model_type="qwen3_next",
-        **TINY,
-        **COMMON,
+    cfg = tiny_config(
+        "qwen3_next",
         **LINEAR_ATTENTION,
-        rope_theta=10000.0,
-        partial_rotary_factor=0.25,
+        **QWEN3_NEXT_ROPE,
         num_experts=0,
         num_experts_per_tok=0,
         decoder_sparse_step=1,
@@ -212,10 +214,8 @@ def qwen3_next_config(*, moe: bool = False) -> dict:
 
 
 def qwen3_5_config(*, moe: bool = False) -> dict:
-    text = dict(
-        model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
-        **TINY,
-        **COMMON,
+    text = tiny_config(
+        "qwen3_5_moe_text" if moe else "qwen3_5_text",
         **LINEAR_ATTENTION,
         rope_parameters={
             "type": "default",
@@ -248,12 +248,13 @@ def nemotron_h_config(pattern: str = "M-*EM*") -> dict:
         **MAMBA2,
         hybrid_override_pattern=pattern,
         num_hidden_layers=len(pattern),
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
+        # TINY_MOE's experts under NemotronH's names, routed in groups.
+        n_routed_experts=TINY_MOE["num_experts"],
+        num_experts_per_tok=TINY_MOE["num_experts_per_tok"],
+        moe_intermediate_size=TINY_MOE["moe_intermediate_size"],
         n_group=2,
         topk_group=1,
-        norm_topk_prob=True,
+        norm_topk_prob=TINY_MOE["norm_topk_prob"],
         routed_scaling_factor=2.5,
         n_shared_experts=1,
         moe_shared_expert_intermediate_size=128,
@@ -273,8 +274,7 @@ def hybrid_mix_config() -> dict:
         **dict(LINEAR_ATTENTION, full_attention_interval=3),
         **MAMBA2,
         **TINY_MOE,
-        rope_theta=10000.0,
-        partial_rotary_factor=0.25,
+        **QWEN3_NEXT_ROPE,
         attention_bias=False,
         tie_word_embeddings=False,
         shared_expert_intermediate_size=64,
@@ -286,10 +286,9 @@ def hybrid_mix_config() -> dict:
 def stablelm_config() -> dict:
     """StableLM: LayerNorm with biases, q/k/v biases, partial rotary (1/4 of
     a head, as StableLM-2), an untied head."""
-    dims = {k: v for k, v in TINY.items() if k != "head_dim"}
     return dict(
         model_type="stablelm",
-        **dims,
+        **TINY_NO_HEAD_DIM,
         max_position_embeddings=4096,
         layer_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -304,16 +303,14 @@ def stablelm_config() -> dict:
 def olmo2_config() -> dict:
     """OLMo 2: post-norm blocks (norms on the attention and MLP outputs),
     q/k RMS norms over the whole projection; an untied head."""
-    return dict(model_type="olmo2", **TINY, **COMMON, rope_theta=500000.0, tie_word_embeddings=False)
+    return tiny_config("olmo2", rope_theta=500000.0, tie_word_embeddings=False)
 
 
 def olmo3_config() -> dict:
     """OLMo 3: OLMo 2's blocks, layers 0-2 sliding (window 8, shorter than
     the prompt), layer 3 full."""
-    return dict(
-        model_type="olmo3",
-        **TINY,
-        **COMMON,
+    return tiny_config(
+        "olmo3",
         rope_theta=500000.0,
         sliding_window=8,
         layer_types=["sliding_attention"] * 3 + ["full_attention"],
@@ -326,10 +323,8 @@ def granite_config() -> dict:
     multipliers and logits divided by a scale (none of them 1, so that
     each shows; the 3.x checkpoints' own values, with a random tied head,
     decode one token over and over)."""
-    return dict(
-        model_type="granite",
-        **TINY,
-        **COMMON,
+    return tiny_config(
+        "granite",
         rope_theta=10000.0,
         attention_bias=False,
         mlp_bias=False,
@@ -343,10 +338,8 @@ def granite_config() -> dict:
 
 def smollm3_config() -> dict:
     """SmolLM3: Llama blocks, layers 1 and 3 without RoPE."""
-    return dict(
-        model_type="smollm3",
-        **TINY,
-        **COMMON,
+    return tiny_config(
+        "smollm3",
         rope_theta=5000000.0,
         no_rope_layers=[1, 0, 1, 0],
         tie_word_embeddings=True,
@@ -356,11 +349,9 @@ def smollm3_config() -> dict:
 def phi3_config() -> dict:
     """Phi-3: fused qkv_proj and gate_up_proj; head_dim from hidden/heads;
     partial rotary 0.5 (as Phi-4-mini)."""
-    dims = {k: v for k, v in TINY.items() if k != "head_dim"}
-    return dict(
-        model_type="phi3",
-        **dims,
-        **COMMON,
+    return tiny_config(
+        "phi3",
+        TINY_NO_HEAD_DIM,
         rope_theta=10000.0,
         partial_rotary_factor=0.5,
         tie_word_embeddings=False,
@@ -628,6 +619,11 @@ def manifest_entry(
     )
 
 
+def float32_entry(name: str, arch: str, layout: str, notes: str, **extra) -> dict:
+    """``manifest_entry`` of an unquantized float32 checkpoint in DIR/<name>/."""
+    return manifest_entry(name, arch, "float32", None, layout, name, notes, **extra)
+
+
 def reference_facts(ref: dict[str, mx.array]) -> dict:
     """Manifest keys describing a reference: ``greedy_margin``."""
     return {"greedy_margin": greedy_margin(ref)}
@@ -703,13 +699,10 @@ def make_mix_fixture(out: Path) -> dict:
     prompt = random_prompt(cfg["vocab_size"])
     ref = write_reference(path, prompt, path / "reference.safetensors", model=ref_model)
     summarize(name, get_total_parameters(ref_model), ref)
-    return manifest_entry(
+    return float32_entry(
         name,
         cfg["model_type"],
-        "float32",
-        None,
         "mlx",
-        name,
         "a new mix no Rust knows (G M A G M A: Gated DeltaNet, Mamba2, gated attention; MoE on layers 3 and 5), "
         "served by examples/specs/hybrid_mix.toml; reference: mlx-lm's Qwen3NextDecoderLayer and NemotronHBlock "
         "composed in xtask/py/mix_ref.py",
@@ -1002,13 +995,10 @@ def make_hf_fixture(out: Path, spec: HfSpec) -> dict:
         raise RuntimeError(f"{spec.name}: differs from {spec.twin} by {diff}")
     params = sum(v.size for v in weights.values())
     summarize(spec.name, params, ref)
-    return manifest_entry(
+    return float32_entry(
         spec.name,
         cfg["model_type"],
-        "float32",
-        None,
         "hf",
-        spec.name,
         f"{spec.notes}; max |logits - twin| = {diff:.2e}",
         **reference_facts(ref),
     )
@@ -1187,8 +1177,18 @@ def tiny_gpt2_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
     merges = [f"{a} {b}" for a in "etaoinsh" for b in "etaoinsh"]
     tokens = specials + singles + [m.replace(" ", "") for m in merges]
     assert len(tokens) == vocab_size and len(set(tokens)) == vocab_size
-    types = [gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.NORMAL] * (vocab_size - len(specials))
-    return tokens, [int(t) for t in types], merges
+    types = [int(gguf.TokenType.CONTROL)] * len(specials) + [int(gguf.TokenType.NORMAL)] * (vocab_size - len(specials))
+    return tokens, types, merges
+
+
+def add_gpt2_vocab(writer: gguf.GGUFWriter, vocab_size: int) -> None:
+    """``tiny_gpt2_vocab(vocab_size)`` as a GGUF's ``gpt2`` tokenizer."""
+    tokens, types, merges = tiny_gpt2_vocab(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
 
 
 SPM_CORPUS = [
@@ -1213,10 +1213,11 @@ def tiny_spm_vocab() -> tuple[list[str], list[int], list[float]]:
     learned = sorted(trainer.get_vocab().items(), key=lambda kv: kv[1])
     pieces = [t for t, _ in learned if t not in ("<unk>", "<s>", "</s>")]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * len(pieces)
+    T = gguf.TokenType
+    types = [int(T.UNKNOWN), int(T.CONTROL), int(T.CONTROL)] + [int(T.BYTE)] * 256 + [int(T.NORMAL)] * len(pieces)
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
     assert len(set(tokens)) == len(tokens)
-    return tokens, [int(t) for t in types], scores
+    return tokens, types, scores
 
 
 SPM_TEXTS = [
@@ -1392,34 +1393,21 @@ def write_llama_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], kind
         writer.add_token_scores(scores)
         writer.add_unk_token_id(0)
     else:
-        tokens, types, merges = tiny_gpt2_vocab(cfg["vocab_size"])
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
+        add_gpt2_vocab(writer, cfg["vocab_size"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     if cfg.get("rope_scaling", {}).get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
 
+    encode = (lambda v: quantize_k(v.astype(np.float32), kind)) if kind in K_QUANTS else None
     for name, value in weights.items():
         gname = mlx_to_gguf_name(name)
         heads = qk_heads(gname, cfg["num_attention_heads"], cfg["num_key_value_heads"])
         if heads is not None and permute and value.ndim == 2:
             value = permute_qk(value, heads)
-        if value.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gname, value.astype(np.float32))
-        elif qtype == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(gname, value.astype(np.float16))
-        elif kind in K_QUANTS:
-            writer.add_tensor(gname, quantize_k(value.astype(np.float32), kind), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gname, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        ty = gguf.GGMLQuantizationType.F32 if value.ndim == 1 else qtype
+        gguf_hybrid.add_tensor(writer, gname, value, ty, encode)
+    gguf_hybrid.write_out(writer)
 
 
 def dequantized_gguf_weights(path: Path, cfg: dict) -> dict[str, mx.array]:
@@ -1696,12 +1684,7 @@ def make_hybrid_gguf_fixture(out: Path, family: str, kind: str, variant: str = "
     vocab = text_config(cfg)["vocab_size"]
 
     def add_vocab(writer):
-        tokens, types, merges = tiny_gpt2_vocab(vocab)
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_types(types)
-        writer.add_token_merges(merges)
+        add_gpt2_vocab(writer, vocab)
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
 
@@ -1920,13 +1903,10 @@ def make_chat_fixture(out: Path, gguf_path: Path) -> list[dict]:
     ref = write_reference(path, prompt, path / "reference.safetensors")
     summarize(name, get_total_parameters(model), ref)
     return [
-        manifest_entry(
+        float32_entry(
             name,
             "qwen3",
-            "float32",
-            None,
             "mlx",
-            name,
             "tiny qwen3 (random weights) with SmolLM2-135M-Instruct's tokenizer and chat template, "
             "for server and client tests",
             **reference_facts(ref),
@@ -1973,23 +1953,24 @@ def all_fixtures(smollm2_gguf: Optional[Path], qwen3_tokenizer: Optional[Path] =
         for v, fam in gguf_hybrid.VARIANTS.items()
     ]
     fixtures.append(Fixture("hybrid_mix-f32", lambda out: [make_mix_fixture(out)]))
-    helpers = types.SimpleNamespace(
-        random_parameters=random_parameters,
-        seed_for=seed_for,
-        reset_dir=reset_dir,
-        write_reference=write_reference,
-        summarize=summarize,
-        manifest_entry=manifest_entry,
-        reference_facts=reference_facts,
-        load_weight_files=load_weight_files,
+    helpers = namespace(
+        random_parameters,
+        seed_for,
+        reset_dir,
+        write_reference,
+        summarize,
+        manifest_entry,
+        float32_entry,
+        reference_facts,
+        load_weight_files,
     )
-    kv_helpers = types.SimpleNamespace(
-        random_model=random_model,
-        save_model=save_model,
-        save_config=save_config,
-        random_prompt=random_prompt,
-        text_config=text_config,
-        get_total_parameters=get_total_parameters,
+    kv_helpers = namespace(
+        random_model,
+        save_model,
+        save_config,
+        random_prompt,
+        text_config,
+        get_total_parameters,
         **vars(helpers),
     )
 
@@ -2033,6 +2014,12 @@ def all_fixtures(smollm2_gguf: Optional[Path], qwen3_tokenizer: Optional[Path] =
             )
         )
     return fixtures
+
+
+def namespace(*functions: Callable, **more) -> types.SimpleNamespace:
+    """``functions`` under their own names, and ``more``: the helpers a
+    reference module is handed."""
+    return types.SimpleNamespace(**{f.__name__: f for f in functions}, **more)
 
 
 def select(fixtures: list[Fixture], only: Optional[str]) -> list[Fixture]:

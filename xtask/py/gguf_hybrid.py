@@ -76,6 +76,24 @@ def v_grouped(t: np.ndarray, dim: int, nk: int, r: int, hd: int) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(t, dim, dim + 1)).reshape(shape)
 
 
+def v_reordered(order, t: dict, name: str, v: np.ndarray) -> np.ndarray:
+    """The value-head rows (columns of ``out_proj``) of the Gated DeltaNet
+    tensor ``name`` (``conv1d`` squeezed to [C, K]) put in ``order``
+    (``v_tiled`` or ``v_grouped``); other tensors as they are."""
+    nk, nv = t["linear_num_key_heads"], t["linear_num_value_heads"]
+    r, dv = nv // nk, t["linear_value_head_dim"]
+    q_k = 2 * nk * t["linear_key_head_dim"]
+    if name in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
+        return np.concatenate([v[:q_k], order(v[q_k:], 0, nk, r, dv)])
+    if name == "linear_attn.in_proj_z.weight":
+        return order(v, 0, nk, r, dv)
+    if name in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.A_log", "linear_attn.dt_bias"):
+        return order(v, 0, nk, r, 1)
+    if name == "linear_attn.out_proj.weight":
+        return order(v, 1, nk, r, dv)
+    return v
+
+
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """LlamaModel.permute: within each head, row p*hd/2+i -> row 2i+p."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -268,18 +286,9 @@ def qwen_tensor(t: dict, family: str, rest: str, v: np.ndarray, variant: str = "
     r = nv // nk
     if family != "qwen3_next" and nk != nv and rest.startswith("linear_attn."):
         # _LinearAttentionVReorderBase, before the Qwen3-Next transforms.
-        q_k = 2 * nk * dk
-        if rest == "linear_attn.in_proj_qkv.weight":
-            v = np.concatenate([v[:q_k], v_tiled(v[q_k:], 0, nk, r, dv)])
-        elif rest == "linear_attn.in_proj_z.weight":
-            v = v_tiled(v, 0, nk, r, dv)
-        elif rest in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.A_log", "linear_attn.dt_bias"):
-            v = v_tiled(v, 0, nk, r, 1)
-        elif rest == "linear_attn.conv1d.weight":
+        if rest == "linear_attn.conv1d.weight":
             v = v.squeeze()
-            v = np.concatenate([v[:q_k], v_tiled(v[q_k:], 0, nk, r, dv)])
-        elif rest == "linear_attn.out_proj.weight":
-            v = v_tiled(v, 1, nk, r, dv)
+        v = v_reordered(v_tiled, t, rest, v)
     if rest.endswith(".A_log"):
         v = -np.exp(v)
     elif "conv1d" in rest:
@@ -337,6 +346,7 @@ def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_ty
     if cfg["model_type"] == "nemotron_h":
         pattern = cfg["hybrid_override_pattern"]
         moe = arch == "nemotron_h_moe"
+        heads = cfg["mamba_num_heads"]  # Mamba2 heads, also the time-step rank
         w.add_block_count(len(pattern))
         w.add_context_length(2**20)
         w.add_embedding_length(cfg["hidden_size"])
@@ -347,8 +357,8 @@ def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_ty
         w.add_ssm_conv_kernel(cfg["conv_kernel"])
         w.add_ssm_state_size(cfg["ssm_state_size"])
         w.add_ssm_group_count(cfg["n_groups"])
-        w.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
-        w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+        w.add_ssm_inner_size(heads * cfg["mamba_head_dim"])
+        w.add_ssm_time_step_rank(heads)
         w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
         w.add_head_count_kv([cfg["num_key_value_heads"] if c == "*" else 0 for c in pattern])
         ff = cfg["moe_intermediate_size"] if moe else cfg["intermediate_size"]
@@ -402,15 +412,26 @@ def write_hybrid_gguf(path, cfg: dict, hf: dict[str, np.ndarray], qtype, file_ty
     if edit is not None:
         edit(w, arch)
     for name, value in hf_to_gguf(cfg, hf, variant):
-        ty = tensor_type(name, value, qtype)
-        if ty == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, value.astype(np.float32))
-        elif ty == gguf.GGMLQuantizationType.F16:
-            w.add_tensor(name, value.astype(np.float16))
-        elif encode is not None:
-            w.add_tensor(name, encode(value), raw_dtype=ty)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(value, ty), raw_dtype=ty)
+        add_tensor(w, name, value, tensor_type(name, value, qtype), encode)
+    write_out(w)
+
+
+def add_tensor(w: "gguf.GGUFWriter", name: str, value: np.ndarray, ty, encode=None) -> None:
+    """``value`` as a tensor of type ``ty``: F32 and F16 as arrays, another
+    type as the bytes of ``encode(value)`` where given (the K-quants, which
+    the gguf package cannot encode) or of the gguf package's quantizer."""
+    if ty == gguf.GGMLQuantizationType.F32:
+        w.add_tensor(name, value.astype(np.float32))
+    elif ty == gguf.GGMLQuantizationType.F16:
+        w.add_tensor(name, value.astype(np.float16))
+    elif encode is not None:
+        w.add_tensor(name, encode(value), raw_dtype=ty)
+    else:
+        w.add_tensor(name, gguf.quants.quantize(value, ty), raw_dtype=ty)
+
+
+def write_out(w: "gguf.GGUFWriter") -> None:
+    """Writes the file: header, metadata, tensors."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -489,14 +510,7 @@ def qwen_inverse(t: dict, family: str, rest: str, v: np.ndarray, gate):
             v = np.concatenate([q, k, val, z], axis=-1).reshape(h, -1).T
             return [("linear_attn.in_proj_qkvz.weight", np.ascontiguousarray(v))]
     elif nk != nv and hf.startswith("linear_attn."):
-        if hf == "linear_attn.in_proj_qkv.weight" or hf == "linear_attn.conv1d.weight":
-            v = np.concatenate([v[:q_k], v_grouped(v[q_k:], 0, nk, r, dv)])
-        elif hf == "linear_attn.in_proj_z.weight":
-            v = v_grouped(v, 0, nk, r, dv)
-        elif hf in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.A_log", "linear_attn.dt_bias"):
-            v = v_grouped(v, 0, nk, r, 1)
-        elif hf == "linear_attn.out_proj.weight":
-            v = v_grouped(v, 1, nk, r, dv)
+        v = v_reordered(v_grouped, t, hf, v)
     if hf == "linear_attn.A_log":
         v = np.log(-v)
     elif hf == "linear_attn.conv1d.weight":

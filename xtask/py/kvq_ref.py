@@ -86,7 +86,7 @@ def kv_trace(model, prompt: np.ndarray, bits: int, group: int, start: int, step:
 def make_kvq_fixture(out: Path, name: str, config, h) -> dict:
     """``config()``: the model's config, head dim 32. ``h``: the fixture
     helpers (random_model, seed_for, reset_dir, save_model, save_config,
-    random_prompt, text_config, write_reference, summarize, manifest_entry,
+    random_prompt, text_config, write_reference, summarize, float32_entry,
     reference_facts, get_total_parameters)."""
     cfg = config()
     model = h.random_model(cfg, h.seed_for(name))
@@ -118,13 +118,10 @@ def make_kvq_fixture(out: Path, name: str, config, h) -> dict:
             raise RuntimeError(f"{name}: the {case} trace equals the full-precision one")
     mx.save_safetensors(str(path / "kv_reference.safetensors"), arrays)
     h.summarize(name, h.get_total_parameters(model), ref)
-    return h.manifest_entry(
+    return h.float32_entry(
         name,
         cfg["model_type"],
-        "float32",
-        None,
         "mlx",
-        name,
         "head dim 32 (a quantization group divides it); kv_reference.safetensors: mlx-lm generate_step "
         "traces with kv_bits (QuantizedKVCache) and with a 10-token RotatingKVCache window, cases in xtask/py/kvq_ref.py",
         kv_reference=f"{name}/kv_reference.safetensors",

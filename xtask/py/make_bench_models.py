@@ -57,81 +57,38 @@ HYBRIDS = ("qwen3_5", "nemotron_h")
 # multi-token-prediction head.
 MLEX_ONLY = ("qwen3_5-mtp",)
 
-DIMS = {
-    "real": dict(
-        hidden=1024,
-        intermediate=3072,
-        layers=28,
-        heads=16,
-        kv_heads=8,
-        head_dim=128,
-        vocab=151936,
-        # qwen3_5 Gated DeltaNet
-        lin_v_heads=16,
-        lin_k_heads=8,
-        lin_k_dim=128,
-        lin_v_dim=128,
-        # nemotron_h
-        nh_vocab=131072,
-        nh_intermediate=4096,
-        nh_heads=8,
-        nh_kv_heads=2,
-        nh_head_dim=128,
-        mamba_heads=32,
-        mamba_head_dim=64,
-        mamba_groups=8,
-        ssm_state=128,
-    ),
-    # Wide enough that the CPU's products, not its per-op overhead, set the
-    # pace: the CPU BLAS comparison in docs/BENCHMARKS.md.
-    "small": dict(
-        hidden=512,
-        intermediate=1536,
-        layers=8,
-        heads=8,
-        kv_heads=4,
-        head_dim=64,
-        vocab=8192,
-        lin_v_heads=8,
-        lin_k_heads=4,
-        lin_k_dim=64,
-        lin_v_dim=64,
-        nh_vocab=8192,
-        nh_intermediate=1536,
-        nh_heads=8,
-        nh_kv_heads=4,
-        nh_head_dim=64,
-        mamba_heads=8,
-        mamba_head_dim=64,
-        mamba_groups=2,
-        ssm_state=64,
-    ),
-    # Small enough that the whole default sweep runs in minutes on a 2-core
-    # CPU (MLX's CPU quantized matmul is slow), every quantized input width
-    # still a multiple of the group size 64.
-    "tiny": dict(
-        hidden=64,
-        intermediate=192,
-        layers=8,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        vocab=2048,
-        lin_v_heads=4,
-        lin_k_heads=2,
-        lin_k_dim=16,
-        lin_v_dim=16,
-        nh_vocab=2048,
-        nh_intermediate=256,
-        nh_heads=4,
-        nh_kv_heads=2,
-        nh_head_dim=16,
-        mamba_heads=4,
-        mamba_head_dim=16,
-        mamba_groups=2,
-        ssm_state=16,
-    ),
-}
+# The widths of each scale, a row a width: its name, then its value at the
+# ``real``, ``small`` and ``tiny`` scales. ``small`` is wide enough that the
+# CPU's products, not its per-op overhead, set the pace (the CPU BLAS
+# comparison in docs/BENCHMARKS.md); ``tiny`` small enough that the whole
+# default sweep runs in minutes on a 2-core CPU (MLX's CPU quantized matmul is
+# slow), every quantized input width still a multiple of the group size 64.
+WIDTH_SCALES = ("real", "small", "tiny")
+WIDTHS = (
+    ("hidden", 1024, 512, 64),
+    ("intermediate", 3072, 1536, 192),
+    ("layers", 28, 8, 8),
+    ("heads", 16, 8, 4),
+    ("kv_heads", 8, 4, 2),
+    ("head_dim", 128, 64, 16),
+    ("vocab", 151936, 8192, 2048),
+    # qwen3_5 Gated DeltaNet
+    ("lin_v_heads", 16, 8, 4),
+    ("lin_k_heads", 8, 4, 2),
+    ("lin_k_dim", 128, 64, 16),
+    ("lin_v_dim", 128, 64, 16),
+    # nemotron_h
+    ("nh_vocab", 131072, 8192, 2048),
+    ("nh_intermediate", 4096, 1536, 256),
+    ("nh_heads", 8, 8, 4),
+    ("nh_kv_heads", 2, 4, 2),
+    ("nh_head_dim", 128, 64, 16),
+    ("mamba_heads", 32, 8, 4),
+    ("mamba_head_dim", 64, 64, 16),
+    ("mamba_groups", 8, 2, 2),
+    ("ssm_state", 128, 64, 16),
+)
+DIMS = {scale: {name: values[i] for name, *values in WIDTHS} for i, scale in enumerate(WIDTH_SCALES)}
 # The real models' depth (28 layers, so as many graph nodes a token) at the
 # tiny widths: a step costs almost no arithmetic, so its time is the host's
 # graph construction and evaluation, the cost that bounds small-model decode
@@ -154,9 +111,10 @@ def nemotron_pattern(layers: int) -> str:
 # --------------------------------------------------------------------------
 
 
-def qwen3_config(d: dict) -> dict:
+def qwen3_text_config(d: dict) -> dict:
+    """The keys that ``qwen3`` and ``qwen3_5``'s text model share (all but
+    ``model_type``), in their order."""
     return dict(
-        model_type="qwen3",
         hidden_size=d["hidden"],
         intermediate_size=d["intermediate"],
         num_hidden_layers=d["layers"],
@@ -167,23 +125,17 @@ def qwen3_config(d: dict) -> dict:
         rms_norm_eps=1e-6,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
-        rope_theta=1000000.0,
     )
+
+
+def qwen3_config(d: dict) -> dict:
+    return dict(model_type="qwen3", **qwen3_text_config(d), rope_theta=1000000.0)
 
 
 def qwen3_5_config(d: dict) -> dict:
     text = dict(
         model_type="qwen3_5_text",
-        hidden_size=d["hidden"],
-        intermediate_size=d["intermediate"],
-        num_hidden_layers=d["layers"],
-        num_attention_heads=d["heads"],
-        num_key_value_heads=d["kv_heads"],
-        head_dim=d["head_dim"],
-        vocab_size=d["vocab"],
-        rms_norm_eps=1e-6,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=True,
+        **qwen3_text_config(d),
         linear_num_value_heads=d["lin_v_heads"],
         linear_num_key_heads=d["lin_k_heads"],
         linear_key_head_dim=d["lin_k_dim"],

@@ -34,29 +34,19 @@ import sys
 
 import openai
 
+from tool_schema import function_tool
+
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 16},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                },
-                "required": ["city", "unit"],
-            },
+    function_tool(
+        "get_weather",
+        {
+            "city": {"type": "string", "maxLength": 16},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
         },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "parameters": {"type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]},
-        },
-    },
+        ["city", "unit"],
+        description="The weather in a city.",
+    ),
+    function_tool("get_time", {"utc": {"type": "boolean"}}, ["utc"]),
 ]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMA = {

@@ -29,37 +29,22 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model
 from transformers import AutoTokenizer
 
+from tool_schema import function_tool
+
 NAME = "qwen3-tools"
 TOP = 5
 STEPS = 12
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "The city."},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city"],
-        },
+WEATHER = function_tool(
+    "get_weather",
+    {
+        "city": {"type": "string", "description": "The city."},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
     },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string"}},
-            "required": ["zone"],
-        },
-    },
-}
+    ["city"],
+    description="The weather in a city.",
+)
+TIME = function_tool("get_time", {"zone": {"type": "string"}}, ["zone"], description="The time in a time zone.")
 
 QUESTION = {"role": "user", "content": "What is the weather in Paris? Answer in one word."}
 

@@ -49,6 +49,7 @@ pub fn fixtures() -> Result<PathBuf> {
         "mtp_ref.py",
         "kvq_ref.py",
         "tool_fixture.py",
+        "tool_schema.py",
         "dhara_ref.py",
         "requirements.txt",
     ] {

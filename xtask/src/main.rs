@@ -132,11 +132,7 @@ fn test(_args: &[String]) -> Result<()> {
 fn codegen() -> Result<()> {
     setup::setup()?;
     cargo(&["build", "-p", "mlex-cli"])?;
-    let target = workspace_root().join(
-        std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("target")),
-    );
+    let target = target_dir();
     let mlex = target.join("debug/mlex");
     let out = Command::new(&mlex)
         .args(["list", "--markdown"])
@@ -155,6 +151,13 @@ fn codegen() -> Result<()> {
     Ok(())
 }
 
+/// Cargo's target folder (`CARGO_TARGET_DIR`, or `target`): cargo runs in
+/// the workspace root, so a relative one is from there.
+fn target_dir() -> PathBuf {
+    let dir = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| "target".into(), PathBuf::from);
+    workspace_root().join(dir)
+}
+
 fn demo(args: &[String]) -> Result<()> {
     setup::setup()?;
     let model = assets::smollm2_gguf()?;
@@ -168,12 +171,7 @@ fn demo(args: &[String]) -> Result<()> {
     eprintln!("xtask: building mlex (release)");
     cargo(&["build", "--release", "-p", "mlex-cli"])?;
     eprintln!("xtask: asking SmolLM2-135M-Instruct: {prompt}");
-    // cargo ran in the workspace root: a relative target dir is from there.
-    let target = workspace_root().join(
-        std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("target")),
-    );
+    let target = target_dir();
     let mlex = target.join("release/mlex");
     let status = Command::new(&mlex)
         .args(["generate", "--model"])

@@ -34,24 +34,21 @@ fn kv_append(c: &mut Criterion) {
         .unwrap();
     t.eval().unwrap();
     for n in [1024, 8192] {
-        let mut pre: KvCache = filled(n);
-        g.bench_with_input(BenchmarkId::new("preallocated", n), &n, |b, _| {
-            b.iter(|| {
-                let (k, v) = pre.update_and_fetch(&t, &t).unwrap();
-                mlx_rs::transforms::eval([&k, &v]).unwrap();
-                drop((k, v));
-                pre.trim(1);
-            })
-        });
-        let mut cat: ConcatKvCache = filled(n);
-        g.bench_with_input(BenchmarkId::new("concatenating", n), &n, |b, _| {
-            b.iter(|| {
-                let (k, v) = cat.update_and_fetch(&t, &t).unwrap();
-                mlx_rs::transforms::eval([&k, &v]).unwrap();
-                drop((k, v));
-                cat.trim(1);
-            })
-        });
+        let caches: [(&str, Box<dyn Cache>); 2] = [
+            ("preallocated", Box::new(filled::<KvCache>(n))),
+            ("concatenating", Box::new(filled::<ConcatKvCache>(n))),
+        ];
+        for (name, mut cache) in caches {
+            g.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
+                b.iter(|| {
+                    let kv = cache.as_kv().unwrap();
+                    let (k, v) = kv.update_and_fetch(&t, &t).unwrap();
+                    mlx_rs::transforms::eval([&k, &v]).unwrap();
+                    drop((k, v));
+                    cache.trim(1);
+                })
+            });
+        }
     }
     g.finish();
 }

@@ -451,25 +451,8 @@ impl KvAccess for BatchKvCache {
 }
 
 impl Cache for BatchKvCache {
-    fn kind(&self) -> &'static str {
-        "batch_kv"
-    }
-    fn offset(&self) -> usize {
-        self.idx
-    }
-    fn grows(&self) -> bool {
-        true
-    }
-    fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
-        Some(self)
-    }
-    fn nbytes(&self) -> usize {
-        self.keys.as_ref().map(Array::nbytes).unwrap_or(0)
-            + self.values.as_ref().map(Array::nbytes).unwrap_or(0)
-    }
-    fn box_clone(&self) -> Box<dyn Cache> {
-        Box::new(self.clone())
-    }
+    kv_cache_basics!("batch_kv", idx);
+    kv_arrays!();
     fn to_tensors(&self) -> CacheTensors {
         let mut arrays = BTreeMap::new();
         if let (Some(k), Some(v)) = (&self.keys, &self.values) {

@@ -159,9 +159,7 @@ impl KvAccess for KvCache {
 }
 
 impl Cache for KvCache {
-    fn kind(&self) -> &'static str {
-        "kv"
-    }
+    kv_cache_basics!("kv", offset);
     fn with_max_kv_size(&self, max: usize) -> Option<Box<dyn Cache>> {
         Some(Box::new(RotatingKvCache::new(max, KV_WINDOW_KEEP)))
     }
@@ -171,15 +169,6 @@ impl Cache for KvCache {
             q,
         )))
     }
-    fn offset(&self) -> usize {
-        self.offset
-    }
-    fn grows(&self) -> bool {
-        true
-    }
-    fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
-        Some(self)
-    }
     fn is_trimmable(&self) -> bool {
         true
     }
@@ -188,22 +177,7 @@ impl Cache for KvCache {
         self.offset -= n;
         n
     }
-    fn nbytes(&self) -> usize {
-        self.keys.as_ref().map(Array::nbytes).unwrap_or(0)
-            + self.values.as_ref().map(Array::nbytes).unwrap_or(0)
-    }
-    fn box_clone(&self) -> Box<dyn Cache> {
-        Box::new(self.clone())
-    }
-    fn select_rows(&mut self, rows: &[i32]) -> Result<()> {
-        select_kv_rows(&mut self.keys, &mut self.values, rows)
-    }
-    fn to_tensors(&self) -> CacheTensors {
-        CacheTensors {
-            arrays: kv_tensors(&self.keys, &self.values, self.offset),
-            meta: BTreeMap::from([("offset".to_owned(), self.offset.to_string())]),
-        }
-    }
+    kv_arrays!(in_order);
 }
 
 /// The naive cache: concatenates keys/values every step (copies the whole
@@ -245,18 +219,7 @@ impl KvAccess for ConcatKvCache {
 }
 
 impl Cache for ConcatKvCache {
-    fn kind(&self) -> &'static str {
-        "concat_kv"
-    }
-    fn offset(&self) -> usize {
-        self.offset
-    }
-    fn grows(&self) -> bool {
-        true
-    }
-    fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
-        Some(self)
-    }
+    kv_cache_basics!("concat_kv", offset);
     fn is_trimmable(&self) -> bool {
         true
     }
@@ -271,22 +234,7 @@ impl Cache for ConcatKvCache {
         }
         n
     }
-    fn nbytes(&self) -> usize {
-        self.keys.as_ref().map(Array::nbytes).unwrap_or(0)
-            + self.values.as_ref().map(Array::nbytes).unwrap_or(0)
-    }
-    fn box_clone(&self) -> Box<dyn Cache> {
-        Box::new(self.clone())
-    }
-    fn select_rows(&mut self, rows: &[i32]) -> Result<()> {
-        select_kv_rows(&mut self.keys, &mut self.values, rows)
-    }
-    fn to_tensors(&self) -> CacheTensors {
-        CacheTensors {
-            arrays: kv_tensors(&self.keys, &self.values, self.offset),
-            meta: BTreeMap::from([("offset".to_owned(), self.offset.to_string())]),
-        }
-    }
+    kv_arrays!(in_order);
 }
 
 /// Sliding-window KV cache: at most `max_size` tokens, the first `keep` of
@@ -476,18 +424,7 @@ impl KvAccess for RotatingKvCache {
 }
 
 impl Cache for RotatingKvCache {
-    fn kind(&self) -> &'static str {
-        "rotating_kv"
-    }
-    fn offset(&self) -> usize {
-        self.offset
-    }
-    fn grows(&self) -> bool {
-        true
-    }
-    fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
-        Some(self)
-    }
+    kv_cache_basics!("rotating_kv", offset);
     fn is_trimmable(&self) -> bool {
         self.offset < self.max_size
     }
@@ -501,13 +438,7 @@ impl Cache for RotatingKvCache {
         self.idx -= n.min(self.idx);
         n
     }
-    fn nbytes(&self) -> usize {
-        self.keys.as_ref().map(Array::nbytes).unwrap_or(0)
-            + self.values.as_ref().map(Array::nbytes).unwrap_or(0)
-    }
-    fn box_clone(&self) -> Box<dyn Cache> {
-        Box::new(self.clone())
-    }
+    kv_arrays!();
     fn to_tensors(&self) -> CacheTensors {
         let mut arrays = BTreeMap::new();
         if let (Some(k), Some(v)) = (&self.keys, &self.values) {

@@ -85,7 +85,7 @@ impl Entry {
 
     /// True when the model keeps no fixed-size state (attention only).
     fn stateless(&self) -> bool {
-        self.cache.layers.iter().flatten().all(|c| c.grows())
+        !self.cache.has_fixed_state()
     }
 
     /// The cache after the first `b` tokens, if it can be rebuilt.
@@ -318,37 +318,18 @@ impl PromptCache {
             }
         };
         for (ei, e) in self.entries.iter().enumerate() {
-            let cache = e
-                .cache
-                .layers
-                .iter()
-                .enumerate()
-                .map(|(li, l)| {
-                    l.iter()
-                        .enumerate()
-                        .map(|(ci, c)| Some(put(format!("e{ei}.final.l{li}.c{ci}"), c.as_ref())))
-                        .collect()
-                })
-                .collect();
+            let cache = saved_layers(&e.cache.layers, |li, ci, c| {
+                Some(put(format!("e{ei}.final.l{li}.c{ci}"), c.as_ref()))
+            });
             let snapshots = e
                 .snapshots
                 .iter()
                 .map(|(b, s)| SavedSnapshot {
                     boundary: *b,
-                    layers: s
-                        .layers
-                        .iter()
-                        .enumerate()
-                        .map(|(li, l)| {
-                            l.iter()
-                                .enumerate()
-                                .map(|(ci, c)| {
-                                    c.as_ref()
-                                        .map(|c| put(format!("e{ei}.s{b}.l{li}.c{ci}"), c.as_ref()))
-                                })
-                                .collect()
-                        })
-                        .collect(),
+                    layers: saved_layers(&s.layers, |li, ci, c| {
+                        let c = c.as_ref()?;
+                        Some(put(format!("e{ei}.s{b}.l{li}.c{ci}"), c.as_ref()))
+                    }),
                 })
                 .collect();
             entries.push(SavedEntry {
@@ -481,6 +462,21 @@ struct SavedHeader {
     format: String,
     fingerprint: String,
     entries: Vec<SavedEntry>,
+}
+
+/// `save` (layer index, cache index, cache) of every cache of `layers`, in
+/// their nesting.
+fn saved_layers<C>(
+    layers: &[Vec<C>],
+    mut save: impl FnMut(usize, usize, &C) -> Option<SavedCache>,
+) -> Vec<Vec<Option<SavedCache>>> {
+    let mut layer = |(li, l): (usize, &Vec<C>)| -> Vec<_> {
+        l.iter()
+            .enumerate()
+            .map(|(ci, c)| save(li, ci, c))
+            .collect()
+    };
+    layers.iter().enumerate().map(&mut layer).collect()
 }
 
 #[derive(Serialize, Deserialize)]

@@ -259,18 +259,7 @@ impl KvAccess for QuantizedKvCache {
 }
 
 impl Cache for QuantizedKvCache {
-    fn kind(&self) -> &'static str {
-        "quantized_kv"
-    }
-    fn offset(&self) -> usize {
-        self.offset
-    }
-    fn grows(&self) -> bool {
-        true
-    }
-    fn as_kv(&mut self) -> Option<&mut dyn KvAccess> {
-        Some(self)
-    }
+    kv_cache_basics!("quantized_kv", offset);
     fn is_trimmable(&self) -> bool {
         true
     }

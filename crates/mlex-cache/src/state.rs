@@ -64,44 +64,24 @@ impl StateCache {
         })
     }
 
-    /// Gated DeltaNet: conv window `[B, K-1, C]` (activation dtype) and
-    /// recurrent state `[B, Hv, Dv, Dk]` in float32.
-    pub fn gated_delta(
+    /// A recurrent mixer's caches (`kind`: `gated_delta`, `mamba2`): its
+    /// conv window `[B, K-1, C]` in the activations' `dtype` and its state
+    /// `[B, ...state]` in float32 (Gated DeltaNet `[Hv, Dv, Dk]`, Mamba2
+    /// `[H, Dh, Ds]`).
+    pub fn recurrent(
+        kind: &'static str,
         batch: usize,
-        kernel: i32,
-        conv_dim: i32,
-        hv: i32,
-        dv: i32,
-        dk: i32,
+        (kernel, conv_dim): (i32, i32),
+        state: [i32; 3],
         dtype: Dtype,
     ) -> Result<Self> {
         let b = batch as i32;
+        let [s0, s1, s2] = state;
         Self::zeros(
-            "gated_delta",
+            kind,
             &[
                 StateSpec::new("conv", &[b, kernel - 1, conv_dim], dtype),
-                StateSpec::new("state", &[b, hv, dv, dk], Dtype::Float32),
-            ],
-        )
-    }
-
-    /// Mamba2: conv window `[B, K-1, C]` and SSM state `[B, H, Dh, Ds]`
-    /// in float32.
-    pub fn mamba2(
-        batch: usize,
-        kernel: i32,
-        conv_dim: i32,
-        heads: i32,
-        head_dim: i32,
-        state_dim: i32,
-        dtype: Dtype,
-    ) -> Result<Self> {
-        let b = batch as i32;
-        Self::zeros(
-            "mamba2",
-            &[
-                StateSpec::new("conv", &[b, kernel - 1, conv_dim], dtype),
-                StateSpec::new("state", &[b, heads, head_dim, state_dim], Dtype::Float32),
+                StateSpec::new("state", &[b, s0, s1, s2], Dtype::Float32),
             ],
         )
     }

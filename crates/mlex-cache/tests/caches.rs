@@ -183,7 +183,8 @@ fn masks_follow_mlx_lm() {
 
 #[test]
 fn state_caches_hold_f32_recurrent_state_and_reject_shape_changes() {
-    let mut gd = StateCache::gated_delta(1, 4, 12, 2, 8, 8, Dtype::Bfloat16).unwrap();
+    let mut gd =
+        StateCache::recurrent("gated_delta", 1, (4, 12), [2, 8, 8], Dtype::Bfloat16).unwrap();
     let s = gd.state();
     assert_eq!(s[0].shape(), &[1, 3, 12]);
     assert_eq!(s[0].dtype(), Dtype::Bfloat16);
@@ -202,7 +203,7 @@ fn state_caches_hold_f32_recurrent_state_and_reject_shape_changes() {
     assert!(gd.set_state(bad).is_err());
     gd.advance(5);
     assert_eq!(gd.offset(), 5);
-    let m = StateCache::mamba2(2, 4, 10, 3, 4, 16, Dtype::Float16).unwrap();
+    let m = StateCache::recurrent("mamba2", 2, (4, 10), [3, 4, 16], Dtype::Float16).unwrap();
     assert_eq!(m.state()[1].shape(), &[2, 3, 4, 16]);
     assert_eq!(m.state()[1].dtype(), Dtype::Float32);
     let c = StateCache::conv_windows(1, 4, &[("A", 8), ("Bq", 16)], Dtype::Float32).unwrap();

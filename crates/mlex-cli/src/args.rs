@@ -474,6 +474,34 @@ pub struct GenerateArgs {
     pub format: Format,
 }
 
+/// What `generate` and `chat` build their generator from
+/// ([`crate::session::decoder`]).
+pub trait DecoderArgs {
+    /// The model and how to load it.
+    fn model(&self) -> &ModelArgs;
+    /// The drafter, if any.
+    fn speculative(&self) -> &SpeculativeArgs;
+    /// The `--prompt-cache` folder.
+    fn prompt_cache(&self) -> Option<&std::path::Path>;
+}
+
+macro_rules! decoder_args {
+    ($($t:ty),*) => {$(
+        impl DecoderArgs for $t {
+            fn model(&self) -> &ModelArgs {
+                &self.model
+            }
+            fn speculative(&self) -> &SpeculativeArgs {
+                &self.speculative
+            }
+            fn prompt_cache(&self) -> Option<&std::path::Path> {
+                self.prompt_cache.as_deref()
+            }
+        }
+    )*};
+}
+decoder_args!(GenerateArgs, ChatArgs);
+
 #[derive(Args, Debug)]
 pub struct ChatArgs {
     #[command(flatten)]

@@ -377,17 +377,16 @@ pub fn compile(m: &ModelArgs) -> Option<mlex_compile::CompilePolicy> {
 }
 
 /// The generator of `generate` and `chat`: [`generator`] with the drafter
-/// `s` asks for ([`speculative`]) and, with `prompt_cache` (the
+/// `a` asks for ([`speculative`]) and, with `prompt_cache` (the
 /// `--prompt-cache` folder), this model's cache file there loaded when it
 /// exists; a file that is truncated, of another format or for another model
 /// is an error naming it.
 pub fn decoder(
     loaded: LoadedModel,
-    m: &ModelArgs,
-    s: &crate::args::SpeculativeArgs,
+    a: &impl crate::args::DecoderArgs,
     registry: &Registry,
-    prompt_cache: Option<&std::path::Path>,
 ) -> Result<(mlex_generate::Generator, Option<PromptCacheFile>)> {
+    let (m, s, prompt_cache) = (a.model(), a.speculative(), a.prompt_cache());
     let mut g = generator(loaded.model, m);
     speculative(&mut g, s, m, registry, prompt_cache.is_some())?;
     let file = match prompt_cache {

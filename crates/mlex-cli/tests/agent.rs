@@ -104,12 +104,7 @@ fn forced_tool_calls_come_back_as_calls_streamed_or_not_and_a_round_trip_renders
         }
     }
     assert_eq!(check_calls(&Value::Array(streamed)), calls);
-    let last = evs
-        .iter()
-        .rev()
-        .find(|e| e["choices"].get(0).is_some())
-        .unwrap();
-    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+    assert_eq!(finish_reason(&evs), "tool_calls");
 
     // A named function, one call only.
     let mut named = req.clone();
@@ -183,12 +178,7 @@ fn malformed_tool_call_text_comes_back_as_text() {
             let calls = evs
                 .iter()
                 .any(|e| !e["choices"][0]["delta"]["tool_calls"].is_null());
-            let last = evs
-                .iter()
-                .rev()
-                .find(|e| e["choices"].get(0).is_some())
-                .unwrap();
-            (text, calls, last["choices"][0]["finish_reason"].clone())
+            (text, calls, finish_reason(&evs))
         } else {
             let (code, v) = post(&s, "/v1/chat/completions", None, &req);
             assert_eq!(code, 200, "{v}");

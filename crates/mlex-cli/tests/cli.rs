@@ -35,6 +35,11 @@ fn refused(model: &Path, args: &[&str], names: &[&str]) {
         .assert()
         .failure();
     let e = String::from_utf8_lossy(&a.get_output().stderr);
+    assert!(
+        !e.contains("panicked"),
+        "`mlex {}` panicked: {e}",
+        args.join(" ")
+    );
     for name in names {
         assert!(
             e.contains(name),
@@ -162,10 +167,7 @@ fn inspect_shows_plan_schedule_and_weights() {
     assert_eq!(stored("model.norm"), "bfloat16");
     let out = mlex().args(["inspect", "--model"]).arg(&p).ok_stdout();
     let text = String::from_utf8_lossy(&out);
-    assert!(
-        text.contains("gated_delta") && text.contains("decode step"),
-        "{text}"
-    );
+    assert_mentions(&text, &["gated_delta", "decode step"]);
 }
 
 #[test]
@@ -348,17 +350,8 @@ fn bad_options_and_inputs_are_clear_errors() {
     assert!(String::from_utf8_lossy(&out).contains("/no/such/model"));
     // A prompt longer than the context.
     let dir = copy_with_config(&p, |v| v["max_position_embeddings"] = 8.into());
-    let out = mlex()
-        .args([
-            "generate",
-            "--prompt-ids",
-            "1,2,3,4,5,6,7,8,9,10",
-            "--model",
-        ])
-        .arg(dir.path())
-        .failed_stderr();
-    let e = String::from_utf8_lossy(&out);
-    assert!(e.contains("exceeds the context of 8"), "{e}");
+    let long = ["generate", "--prompt-ids", "1,2,3,4,5,6,7,8,9,10"];
+    refused(dir.path(), &long, &["exceeds the context of 8"]);
     let out = mlex()
         .args(["generate", "--model"])
         .arg(dir.path())
@@ -508,10 +501,7 @@ fn a_repo_id_downloads_from_hf_endpoint_and_answers_as_the_local_copy() {
         .stderr
         .clone();
     let e = String::from_utf8_lossy(&out);
-    assert!(
-        e.contains("acme/gated") && e.contains("401") && e.contains("HF_TOKEN"),
-        "{e}"
-    );
+    assert_mentions(&e, &["acme/gated", "401", "HF_TOKEN"]);
     assert!(!e.contains("panicked"), "{e}");
     let token = std::ffi::OsString::from("hf_secret");
     let with_token = [envs[0], envs[1], ("HF_TOKEN", token.as_os_str())];
@@ -607,19 +597,33 @@ fn smollm2_answers_paris() {
     assert_eq!(sample("3"), sample("3"));
 }
 
-#[test]
-fn chat_second_turn_prefills_only_new_tokens() {
-    let g = smollm2();
+/// The JSON turns of `mlex chat --format json --max-tokens max_tokens` of
+/// model `m` given `stdin`.
+fn chat_turns(m: &std::path::Path, max_tokens: &str, stdin: &str) -> Vec<Value> {
     let out = mlex()
-        .args(["chat", "--format", "json", "--max-tokens", "30", "--model"])
-        .arg(&g)
-        .write_stdin("What is the capital of France?\nAnd of Italy?\n/quit\nnot read\n")
+        .args([
+            "chat",
+            "--format",
+            "json",
+            "--max-tokens",
+            max_tokens,
+            "--model",
+        ])
+        .arg(m)
+        .write_stdin(stdin)
         .ok_stdout();
-    let turns: Vec<Value> = String::from_utf8_lossy(&out)
+    String::from_utf8_lossy(&out)
         .lines()
         .filter(|l| l.starts_with('{'))
         .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+        .collect()
+}
+
+#[test]
+fn chat_second_turn_prefills_only_new_tokens() {
+    let g = smollm2();
+    let stdin = "What is the capital of France?\nAnd of Italy?\n/quit\nnot read\n";
+    let turns = chat_turns(&g, "30", stdin);
     assert_eq!(turns.len(), 2, "/quit ends the chat");
     let (t1, t2) = (&turns[0], &turns[1]);
     assert!(t1["text"].as_str().unwrap().contains("Paris"));
@@ -639,16 +643,7 @@ fn chat_second_turn_prefills_only_new_tokens() {
     assert!(new < 20, "only the new turn is prefilled ({new} tokens)");
 
     // /reset starts over: the same first question again.
-    let out = mlex()
-        .args(["chat", "--format", "json", "--max-tokens", "8", "--model"])
-        .arg(&g)
-        .write_stdin("Hi\n/reset\nHi\n")
-        .ok_stdout();
-    let turns: Vec<Value> = String::from_utf8_lossy(&out)
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let turns = chat_turns(&g, "8", "Hi\n/reset\nHi\n");
     assert_eq!(turns.len(), 2);
     assert_eq!(turns[0]["prompt_tokens"], turns[1]["prompt_tokens"]);
 }
@@ -741,10 +736,7 @@ fn sigint_during_generation_prints_the_summary_and_exits_130() {
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{err}");
-    assert!(
-        err.contains("generation:") && err.contains("interrupted"),
-        "{err}"
-    );
+    assert_mentions(&err, &["generation:", "interrupted"]);
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -836,19 +828,8 @@ fn prompt_cache_dir_reuses_a_prefix_across_runs() {
 #[test]
 fn prefill_and_prompt_cache_options_reject_bad_values() {
     let p = fixture_path("llama-f32");
-    let out = mlex()
-        .args([
-            "generate",
-            "--prompt-ids",
-            "1,2",
-            "--prefill-chunk",
-            "0",
-            "--model",
-        ])
-        .arg(&p)
-        .failed_stderr();
-    let e = String::from_utf8_lossy(&out);
-    assert!(e.contains("--prefill-chunk"), "{e}");
+    let chunk = ["generate", "--prompt-ids", "1,2", "--prefill-chunk", "0"];
+    refused(&p, &chunk, &["--prefill-chunk"]);
     // A file where the prompt-cache directory should be.
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("not-a-dir");
@@ -1031,21 +1012,10 @@ fn bench_shared_prefix_reports_cold_and_warm_time_to_first_token() {
     for k in ["ttft_cold_s", "ttft_warm_s"] {
         assert!(v[k].as_f64().unwrap() > 0.0, "{k}: {v}");
     }
-    let out = mlex()
-        .args([
-            "bench",
-            "--prompt-len",
-            "300",
-            "--shared-prefix",
-            "300",
-            "--model",
-        ])
-        .arg(&p)
-        .failed_stderr();
-    let e = String::from_utf8_lossy(&out);
-    assert!(
-        e.contains("--shared-prefix") && !e.contains("panicked"),
-        "{e}"
+    refused(
+        &p,
+        &["bench", "--prompt-len", "300", "--shared-prefix", "300"],
+        &["--shared-prefix"],
     );
 }
 
@@ -1053,20 +1023,15 @@ fn bench_shared_prefix_reports_cold_and_warm_time_to_first_token() {
 fn batch_and_serve_flags_reject_bad_values_clearly() {
     let p = fixture_path("qwen3-f32");
     // A prompts file that is not there names the file.
-    let out = mlex()
-        .args([
+    refused(
+        &p,
+        &[
             "generate",
             "--ids",
             "--prompts-file",
             "/no/such/prompts.txt",
-            "--model",
-        ])
-        .arg(&p)
-        .failed_stderr();
-    let e = String::from_utf8_lossy(&out);
-    assert!(
-        e.contains("/no/such/prompts.txt") && !e.contains("panicked"),
-        "{e}"
+        ],
+        &["/no/such/prompts.txt"],
     );
     // Zero slots, for generate and bench.
     for args in [
@@ -1074,22 +1039,14 @@ fn batch_and_serve_flags_reject_bad_values_clearly() {
         vec!["bench", "--batch", "0"],
         vec!["serve", "--batch", "0"],
     ] {
-        let out = mlex().args(&args).arg("--model").arg(&p).failed_stderr();
-        let e = String::from_utf8_lossy(&out);
-        assert!(e.contains("--batch"), "{args:?}: {e}");
+        refused(&p, &args, &["--batch"]);
     }
     // A port already taken names the address.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port().to_string();
-    let out = mlex()
-        .args(["serve", "--port", &port, "--model"])
-        .arg(fixture_path("smollm2-gguf"))
-        .failed_stderr();
-    let e = String::from_utf8_lossy(&out);
-    assert!(
-        e.contains(&format!("127.0.0.1:{port}")) && e.contains("--port"),
-        "{e}"
-    );
+    let address = format!("127.0.0.1:{port}");
+    let smollm2 = fixture_path("smollm2-gguf");
+    refused(&smollm2, &["serve", "--port", &port], &[&address, "--port"]);
 }
 
 /// Bad checkpoints through the binary: each exits non-zero with `error:`
@@ -1353,10 +1310,7 @@ fn bad_gguf_and_tokenizers() {
     v["chat_template"] = "{{ raise_exception('no system prompts here') }}".into();
     std::fs::write(&tc, v.to_string()).unwrap();
     let e = fail(&["generate", "--prompt", "hello"], template.path());
-    assert!(
-        e.contains("tokenizer_config.json") && e.contains("chat_template"),
-        "{e}"
-    );
+    assert_mentions(&e, &["tokenizer_config.json", "chat_template"]);
 }
 
 /// docs/architectures.md is what `mlex list --markdown` prints now.
@@ -1392,10 +1346,7 @@ fn a_spec_file_serves_a_new_hybrid() {
         .args(["--prompt-ids", &prompt, "--max-tokens", "4", "--temp", "0"])
         .failed_stderr();
     let e = String::from_utf8_lossy(&e);
-    assert!(
-        e.contains("unknown model_type `hybrid_mix`") && e.contains("--arch-dir"),
-        "{e}"
-    );
+    assert_mentions(&e, &["unknown model_type `hybrid_mix`", "--arch-dir"]);
     let want: Vec<i64> = r.greedy[..8].iter().map(|&t| t as i64).collect();
     for how in ["--arch-dir", "MLEX_ARCH_PATH"] {
         let mut c = mlex();
@@ -1442,10 +1393,7 @@ fn a_spec_file_serves_a_new_hybrid() {
         .arg("list")
         .failed_stderr();
     let e = String::from_utf8_lossy(&e);
-    assert!(
-        e.contains("no-such-dir") && e.contains("No such file"),
-        "{e}"
-    );
+    assert_mentions(&e, &["no-such-dir", "No such file"]);
 }
 
 #[test]
@@ -1516,10 +1464,7 @@ fn speculative_options_reject_bad_values_naming_them() {
     }
     let other = fixture_path("qwen3-chat");
     let e = fail(&["--draft-model", other.to_str().unwrap()]);
-    assert!(
-        e.contains("--draft-model") && e.contains("vocabulary") && e.contains("qwen3-chat"),
-        "{e}"
-    );
+    assert_mentions(&e, &["--draft-model", "vocabulary", "qwen3-chat"]);
     let e = fail(&["--lookup", "--draft-model", other.to_str().unwrap()]);
     assert!(e.contains("--lookup") || e.contains("--draft-model"), "{e}");
     // A batch speculates too: the same tokens, with what drafting did.
@@ -1575,7 +1520,7 @@ fn speculative_options_reject_bad_values_naming_them() {
         .args(["--ids", "--mtp"])
         .failed_stderr();
     let e = String::from_utf8_lossy(&out);
-    assert!(e.contains("--mtp") && e.contains("config.json"), "{e}");
+    assert_mentions(&e, &["--mtp", "config.json"]);
 }
 
 /// `--mtp`: the checkpoint's own head drafts, the output is the plain
@@ -1617,13 +1562,13 @@ fn mtp_drafts_with_the_checkpoints_head_and_bad_uses_name_it() {
         String::from_utf8_lossy(&a.failure().get_output().stderr).into_owned()
     };
     let e = stderr(gen(&fixture_path("qwen3_5-f32"), &["--mtp"]));
-    assert!(e.contains("--mtp") && e.contains("config.json"), "{e}");
+    assert_mentions(&e, &["--mtp", "config.json"]);
     let dir = tempfile::tempdir().unwrap();
     let e = stderr(gen(
         &m,
         &["--mtp", "--prompt-cache", dir.path().to_str().unwrap()],
     ));
-    assert!(e.contains("--mtp") && e.contains("--prompt-cache"), "{e}");
+    assert_mentions(&e, &["--mtp", "--prompt-cache"]);
     let e = stderr(gen(&m, &["--mtp", "--lookup"]));
     assert!(e.contains("--mtp") || e.contains("--lookup"), "{e}");
     // `mlex logits --mtp`: the head's logits, one row fewer than the
@@ -1642,12 +1587,21 @@ fn mtp_drafts_with_the_checkpoints_head_and_bad_uses_name_it() {
     a.success();
     assert_eq!(mlx_rs::Array::load_numpy(&out).unwrap().shape(), &[3, 256]);
     let e = stderr(logits(&fixture_path("qwen3_5-f32"), "5,6,7,8").0);
-    assert!(e.contains("--mtp") && e.contains("config.json"), "{e}");
+    assert_mentions(&e, &["--mtp", "config.json"]);
     let e = stderr(logits(&m, "5").0);
-    assert!(
-        e.contains("--prompt-ids") && e.contains("2 prompt ids"),
-        "{e}"
-    );
+    assert_mentions(&e, &["--prompt-ids", "2 prompt ids"]);
+}
+
+/// The last JSON line of `mlex bench --model m ARGS`, ARGS the words of
+/// `args`, which must succeed.
+fn bench_words(m: &std::path::Path, args: &str) -> Value {
+    let out = mlex()
+        .arg("bench")
+        .arg("--model")
+        .arg(m)
+        .args(args.split_whitespace())
+        .ok_stdout();
+    last_json(&out)
 }
 
 /// `mlex bench --model m --prompt-len 8 --draft-tokens 3 ARGS --format
@@ -1742,10 +1696,7 @@ fn bench_measures_speculation_by_acceptance_and_the_verify_cost() {
         .args(["--mtp", "--draft-acceptance", "0.5"])
         .failed_stderr();
     let e = String::from_utf8_lossy(&out);
-    assert!(
-        e.contains("--mtp") && e.contains("--force-acceptance"),
-        "{e}"
-    );
+    assert_mentions(&e, &["--mtp", "--force-acceptance"]);
 }
 
 /// `generate`'s greedy token ids from `prompt` on the model at `m`, `n` of
@@ -1849,41 +1800,11 @@ fn max_kv_size_follows_mlx_lm_and_bad_uses_name_the_option() {
     let got = generated_ids(&m, &prompt, want.len(), &["--max-kv-size", &window]);
     assert_eq!(got, want, "mlx-lm's tokens in its {window}-token window");
 
-    let out = mlex()
-        .arg("bench")
-        .arg("--model")
-        .arg(&m)
-        .args([
-            "--prompt-len",
-            "8",
-            "--gen",
-            "4",
-            "--format",
-            "json",
-            "--max-kv-size",
-            "6",
-        ])
-        .ok_stdout();
-    let v = last_json(&out);
+    let v = bench_words(&m, "--prompt-len 8 --gen 4 --format json --max-kv-size 6");
     assert_eq!(v["max_kv_size"], 6, "{v}");
     // A given --prefill-chunk wins over the window's cap on the step.
-    let out = mlex()
-        .arg("bench")
-        .arg("--model")
-        .arg(&m)
-        .args([
-            "--prompt-len",
-            "8",
-            "--gen",
-            "4",
-            "--format",
-            "json",
-            "--max-kv-size",
-            "6",
-        ])
-        .args(["--prefill-chunk", "2048"])
-        .ok_stdout();
-    assert_eq!(last_json(&out)["dispatch"]["prefill_chunk"], 2048);
+    let args = "--prompt-len 8 --gen 4 --format json --max-kv-size 6 --prefill-chunk 2048";
+    assert_eq!(bench_words(&m, args)["dispatch"]["prefill_chunk"], 2048);
 
     let ids = ["generate", "--prompt-ids", "1,2"];
     let tiny = [&ids[..], &["--max-kv-size", "4"]].concat();

@@ -185,49 +185,23 @@ fn bad_conversions_name_the_option_and_leave_nothing() {
     std::fs::create_dir(&exists).unwrap();
     let fresh = tmp.path().join("fresh");
     let q4 = path_of(&fixture("llama-q4"));
-    for (args, needle) in [
+    let (l, e, f, q) = (s(&llama), s(&exists), s(&fresh), s(&q4));
+    // The paths are a temporary folder's: no spaces to split on.
+    for (line, needle) in [
+        (format!("--model {l} --out {e} --quantize 4"), "--out"),
+        (format!("--model {l} --out {f} --quantize 7"), "--quantize"),
         (
-            vec!["--model", s(&llama), "--out", s(&exists), "--quantize", "4"],
-            "--out",
-        ),
-        (
-            vec!["--model", s(&llama), "--out", s(&fresh), "--quantize", "7"],
-            "--quantize",
-        ),
-        (
-            vec![
-                "--model",
-                s(&llama),
-                "--out",
-                s(&fresh),
-                "--quantize",
-                "4",
-                "--group-size",
-                "48",
-            ],
+            format!("--model {l} --out {f} --quantize 4 --group-size 48"),
             "--group-size",
         ),
+        (format!("--model {q} --out {f} --quantize 4"), "--quantize"),
+        (format!("--model {l} --out /nonexistent/dir/out"), "--out"),
         (
-            vec!["--model", s(&q4), "--out", s(&fresh), "--quantize", "4"],
-            "--quantize",
-        ),
-        (
-            vec!["--model", s(&llama), "--out", "/nonexistent/dir/out"],
-            "--out",
-        ),
-        (
-            vec![
-                "--model",
-                s(&llama),
-                "--out",
-                s(&fresh),
-                "--quantize",
-                "4",
-                "--dequantize",
-            ],
+            format!("--model {l} --out {f} --quantize 4 --dequantize"),
             "--dequantize",
         ),
     ] {
+        let args: Vec<&str> = line.split_whitespace().collect();
         let mut all = vec!["convert"];
         all.extend(&args);
         let out = mlex(&all);

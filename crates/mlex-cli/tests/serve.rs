@@ -63,12 +63,7 @@ fn chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx() {
     let text = delta_text(&evs, "content");
     assert_eq!(text, content);
     assert_eq!(evs[0]["choices"][0]["delta"]["role"], "assistant");
-    let last_choice = evs
-        .iter()
-        .rev()
-        .find(|e| e["choices"].get(0).is_some())
-        .unwrap();
-    assert_eq!(last_choice["choices"][0]["finish_reason"], "stop");
+    assert_eq!(finish_reason(&evs), "stop");
     // The same prompt again: all but its last token come from the prompt cache.
     let streamed_usage = &evs.last().unwrap()["usage"];
     for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
@@ -358,21 +353,8 @@ fn a_speculating_server_answers_as_a_plain_one() {
             "Repeat this list exactly, one item per line:\n{}", items.join("\n"))}],
             "max_tokens": 40, "temperature": 0})
     };
-    let answers = |s: &Server| -> Vec<Value> {
-        std::thread::scope(|sc| {
-            let handles: Vec<_> = (0..3)
-                .map(|i| sc.spawn(move || post(s, "/v1/chat/completions", None, &ask(i))))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    let (code, v) = h.join().unwrap();
-                    assert_eq!(code, 200, "{v}");
-                    v
-                })
-                .collect()
-        })
-    };
+    let bodies: Vec<Value> = (0..3).map(ask).collect();
+    let answers = |s: &Server| chat_all(s, &bodies);
     let plain = answers(&start(&["--batch", "4"]));
     let s = start(&["--batch", "4", "--lookup", "--draft-tokens", "4"]);
     let spec = answers(&s);
@@ -480,22 +462,7 @@ fn a_server_under_three_ranks_answers_as_one_device() {
             json!({"response_format": {"type": "json_object"}}),
         ),
     ];
-    let answers = |s: &Server| -> Vec<Value> {
-        std::thread::scope(|sc| {
-            let handles: Vec<_> = requests
-                .iter()
-                .map(|r| sc.spawn(move || post(s, "/v1/chat/completions", None, r)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    let (code, v) = h.join().unwrap();
-                    assert_eq!(code, 200, "{v}");
-                    v
-                })
-                .collect()
-        })
-    };
+    let answers = |s: &Server| chat_all(s, &requests);
     let one = answers(&start(&["--batch", "4"]));
     let s = start(&["--batch", "4", "--tp", "3"]);
     let three = answers(&s);

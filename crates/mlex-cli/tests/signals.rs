@@ -41,6 +41,28 @@ fn ended_within(child: &mut Child, limit: Duration, what: &str) -> ExitStatus {
     })
 }
 
+/// `ready()` once it gives `Some`, polled every 20 ms for at most `limit`
+/// while `child` runs; fails if `child` ends first or time runs out, saying
+/// it had not yet done `what`.
+fn once<T>(
+    child: &mut Child,
+    limit: Duration,
+    what: &str,
+    mut ready: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(t) = ready() {
+            return t;
+        }
+        if let Some(s) = child.try_wait().unwrap() {
+            panic!("mlex ended ({s:?}) before {what}: {}", stderr_of(child));
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn stderr_of(child: &mut Child) -> String {
     use std::io::Read;
     let mut s = String::new();
@@ -93,22 +115,14 @@ impl SilentHub {
     /// Waits (at most a minute) until `child` connects, i.e. is loading;
     /// returns the connection, to be held open.
     fn wait_until_loading(&self, child: &mut Child) -> std::net::TcpStream {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
+        let limit = Duration::from_secs(60);
+        once(child, limit, "it asked the hub", || {
             match self.listener.accept() {
-                Ok((conn, _)) => return conn,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Ok((conn, _)) => Some(conn),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
                 Err(e) => panic!("accept: {e}"),
             }
-            if let Some(s) = child.try_wait().unwrap() {
-                panic!(
-                    "mlex ended ({s:?}) before it asked the hub: {}",
-                    stderr_of(child)
-                );
-            }
-            assert!(Instant::now() < deadline, "mlex never asked the hub");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        })
     }
 }
 
@@ -238,21 +252,28 @@ impl GatedCompiler {
     /// Waits (at most two minutes) until MLX runs the compiler.
     fn wait_until_compiling(&self, child: &mut Child) {
         let compiling = self.dir.path().join("compiling");
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !compiling.exists() {
-            if let Some(s) = child.try_wait().unwrap() {
-                panic!(
-                    "mlex ended ({s:?}) before MLX ran the compiler: {}",
-                    stderr_of(child)
-                );
-            }
-            assert!(Instant::now() < deadline, "MLX never ran the compiler");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let limit = Duration::from_secs(120);
+        once(child, limit, "MLX ran the compiler", || {
+            compiling.exists().then_some(())
+        });
     }
 
     fn release(&self) {
         std::fs::write(self.dir.path().join("go"), "").unwrap();
+    }
+
+    /// `mlex generate` sent a signal by `send` while its compiler is held,
+    /// which must end it with 130 within two minutes (else: `what`); its
+    /// stderr.
+    fn interrupted(&self, send: impl FnOnce(&Child), what: &str) -> String {
+        let mut child = self.generate();
+        self.wait_until_compiling(&mut child);
+        send(&child);
+        self.release();
+        let status = ended_within(&mut child, Duration::from_secs(120), what);
+        let err = stderr_of(&mut child);
+        assert_eq!(status.code(), Some(130), "{status:?}: {err}");
+        err
     }
 }
 
@@ -268,17 +289,10 @@ impl GatedCompiler {
 fn sigint_during_the_run_time_compile_stops_cleanly() {
     // To mlex alone.
     let gate = GatedCompiler::new();
-    let mut child = gate.generate();
-    gate.wait_until_compiling(&mut child);
-    signal(&child, libc::SIGINT);
-    gate.release();
-    let status = ended_within(
-        &mut child,
-        Duration::from_secs(120),
+    let err = gate.interrupted(
+        |child| signal(child, libc::SIGINT),
         "SIGINT during the compile did not stop generation",
     );
-    let err = stderr_of(&mut child);
-    assert_eq!(status.code(), Some(130), "{status:?}: {err}");
     assert!(
         err.contains("generation:")
             && err.contains("interrupted")
@@ -288,18 +302,14 @@ fn sigint_during_the_run_time_compile_stops_cleanly() {
 
     // To the process group, as Ctrl-C at a terminal.
     let gate = GatedCompiler::new();
-    let mut child = gate.generate();
-    gate.wait_until_compiling(&mut child);
-    // SAFETY: signalling the child's own process group.
-    assert_eq!(unsafe { libc::kill(-(child.id() as i32), libc::SIGINT) }, 0);
-    gate.release();
-    let status = ended_within(
-        &mut child,
-        Duration::from_secs(120),
+    let to_group = |child: &Child| {
+        // SAFETY: signalling the child's own process group.
+        assert_eq!(unsafe { libc::kill(-(child.id() as i32), libc::SIGINT) }, 0);
+    };
+    let err = gate.interrupted(
+        to_group,
         "Ctrl-C during the compile did not stop generation",
     );
-    let err = stderr_of(&mut child);
-    assert_eq!(status.code(), Some(130), "{status:?}: {err}");
     assert!(
         err.contains("interrupted")
             && !err.lines().any(|l| l.starts_with("error:"))

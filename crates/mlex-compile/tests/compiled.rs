@@ -3,6 +3,7 @@
 //! trace), every trace is its own, and a structural change rebuilds.
 
 use mlex_compile::{CompilePolicy, CompiledTrace, SegmentedDecoder};
+use mlex_core::registry::Registry;
 use mlex_testkit::*;
 use mlx_rs::error::Exception;
 use mlx_rs::{ops, Array};
@@ -19,6 +20,20 @@ fn every_f32_architecture() -> Vec<Fixture> {
         .collect();
     assert!(all.len() >= 8, "expected fixtures of every architecture");
     all
+}
+
+/// `check` of each of `fixtures` with its registry (a spec-only one's
+/// spec too), pushing what differs; fails with every failure.
+fn on_each<'a>(
+    fixtures: impl IntoIterator<Item = &'a Fixture>,
+    mut check: impl FnMut(&Fixture, &Registry, &mut Vec<String>),
+) {
+    let mut failures = Vec::new();
+    for f in fixtures {
+        let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
+        check(f, &registry, &mut failures);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]
@@ -110,10 +125,8 @@ fn compiled_decode_equals_eager_on_every_architecture() {
     assert!(names.len() >= 8, "expected fixtures of every architecture");
     // The spec-only hybrid too (its spec comes from the fixture's arch_dir).
     assert!(names.iter().any(|f| f.name == "hybrid_mix-f32"));
-    let mut failures = Vec::new();
-    for f in names {
-        let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
-        let loaded = mlex_models::load::load(path_of(f).to_str().unwrap(), &registry).unwrap();
+    on_each(names, |f, registry, failures| {
+        let loaded = mlex_models::load::load(path_of(f).to_str().unwrap(), registry).unwrap();
         let model = &loaded.model;
         let r = reference(f);
         let n = 12;
@@ -147,13 +160,7 @@ fn compiled_decode_equals_eager_on_every_architecture() {
             if policy == CompilePolicy::All {
                 assert!(which.iter().all(|&c| c));
             } else {
-                let recurrent = model
-                    .make_cache(1)
-                    .unwrap()
-                    .layers
-                    .iter()
-                    .flatten()
-                    .any(|c| !c.grows());
+                let recurrent = model.make_cache(1).unwrap().has_fixed_state();
                 assert_eq!(which.iter().any(|&c| c), recurrent, "{}", f.name);
             }
             assert_eq!(
@@ -161,8 +168,7 @@ fn compiled_decode_equals_eager_on_every_architecture() {
                 model.layers.iter().filter(|l| l.layer.grows()).count() + 1
             );
         }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    });
 }
 
 /// The compiled verify forward of speculative decoding against the eager
@@ -172,17 +178,15 @@ fn compiled_decode_equals_eager_on_every_architecture() {
 /// picked per position) then one more decode step.
 #[test]
 fn compiled_verify_equals_eager_verify_on_every_architecture() {
-    let mut failures = Vec::new();
-    for f in &every_f32_architecture() {
-        let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
-        let loaded = mlex_models::load::load(path_of(f).to_str().unwrap(), &registry).unwrap();
+    on_each(&every_f32_architecture(), |f, registry, failures| {
+        let loaded = mlex_models::load::load(path_of(f).to_str().unwrap(), registry).unwrap();
         let model = &loaded.model;
         // The same weights with every verify row attending as ops (CUDA's
         // default from 4 rows on), compiled under the first policy.
         let mut ops_rows = mlex_core::dispatch::Dispatch::from_env().unwrap();
         ops_rows.ops_attention_rows = Some((2, 32));
         let path = path_of(f);
-        let with_ops = mlex_models::load::load_with(path.to_str().unwrap(), &registry, &ops_rows);
+        let with_ops = mlex_models::load::load_with(path.to_str().unwrap(), registry, &ops_rows);
         let with_ops = with_ops.unwrap().model;
         let r = reference(f);
         let mut base = model.make_cache(1).unwrap();
@@ -235,8 +239,7 @@ fn compiled_verify_equals_eager_verify_on_every_architecture() {
                 );
             }
         }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    });
 }
 
 /// A forward handed to MLX one layer at a time (`Dispatch::layer_sync_rows`,
@@ -246,9 +249,7 @@ fn compiled_verify_equals_eager_verify_on_every_architecture() {
 /// gives the same logits).
 #[test]
 fn a_forward_one_layer_at_a_time_equals_one_graph_on_every_architecture() {
-    let mut failures = Vec::new();
-    for f in &every_f32_architecture() {
-        let registry = mlex_models::build_registry(&f.arch_paths()).unwrap();
+    on_each(&every_f32_architecture(), |f, registry, failures| {
         let path = path_of(f);
         // Chunks of 2 tokens, so that the layered run's Gated DeltaNet
         // scans go in pieces of 4 (`Dispatch::scan_piece`).
@@ -259,7 +260,7 @@ fn a_forward_one_layer_at_a_time_equals_one_graph_on_every_architecture() {
         layered.layer_sync_rows = Some(2);
         layered.scan_piece = 4;
         let run = |d: &mlex_core::dispatch::Dispatch| {
-            let m = mlex_models::load::load_with(path.to_str().unwrap(), &registry, d)
+            let m = mlex_models::load::load_with(path.to_str().unwrap(), registry, d)
                 .unwrap()
                 .model;
             let prompt = &reference(f).prompt;
@@ -280,10 +281,9 @@ fn a_forward_one_layer_at_a_time_equals_one_graph_on_every_architecture() {
             .map(|(x, y)| relative(y, x))
             .fold(0.0f32, f32::max);
         if worst > 1e-5 {
-            failures.push(format!("{} ({worst:.2e})", f.name));
+            failures.push(format!("{} differs ({worst:.2e})", f.name));
         }
-    }
-    assert!(failures.is_empty(), "differ: {failures:?}");
+    });
 }
 
 /// The largest difference between `a` and `b` relative to `b`'s largest
@@ -318,11 +318,7 @@ fn a_weight_update_after_compiling_changes_the_next_step() {
     // And equals a fresh eager step with the new weights.
     let mut cache = snapshot;
     let eager = to_f32(&model.forward_last(&tokens(&[5]), &mut cache).unwrap());
-    let (d, m) = max_diff(&after, &eager);
-    assert!(
-        d <= 1e-5 * m.max(1.0),
-        "compiled after update differs from eager by {d}"
-    );
+    assert_close(&after, &eager, 1e-5, "compiled after update and eager");
     assert!(
         dec.times_traced().iter().all(|&t| t == 1),
         "a value update must not retrace: {:?}",
@@ -361,10 +357,11 @@ fn quantizing_rebuilds_the_traces() {
     );
     let mut cache = snapshot;
     let eager = to_f32(&q.forward_last(&tokens(&[5]), &mut cache).unwrap());
-    let (d, m) = max_diff(&compiled, &eager);
-    assert!(
-        d <= 1e-5 * m.max(1.0),
-        "compiled on the quantized model differs from eager by {d}"
+    assert_close(
+        &compiled,
+        &eager,
+        1e-5,
+        "compiled on the quantized model and eager",
     );
     let (d, _) = max_diff(&compiled, &dense);
     assert!(d > 1e-4, "4-bit weights change the logits");

@@ -22,6 +22,7 @@ pub mod device;
 pub mod dispatch;
 pub mod distributed;
 pub mod error;
+pub mod ids;
 pub mod layer;
 pub mod model;
 pub mod mtp;

@@ -137,14 +137,8 @@ macro_rules! register_architecture {
 /// ```
 #[macro_export]
 macro_rules! register_layer_kind {
-    ($name:literal, $value:expr) => {
-        $crate::__submit_kind!(LayerKindEntry, LayerKind, $name, $value);
-    };
-    ($(#[$meta:meta])* kind $kind:ident = $name:literal {
-        options: $options:ty, state: $state:expr, summary: $summary:literal, build: $build:path $(,)?
-    }) => {
-        $crate::__kind_impl!($(#[$meta])* $kind, LayerKind, Layer, $name, $options, $state, $summary, $build);
-        $crate::register_layer_kind!($name, $kind);
+    ($($args:tt)*) => {
+        $crate::__register_kind!(LayerKindEntry, LayerKind, Layer; $($args)*);
     };
 }
 
@@ -153,14 +147,24 @@ macro_rules! register_layer_kind {
 /// build function returning the mixer.
 #[macro_export]
 macro_rules! register_mixer_kind {
-    ($name:literal, $value:expr) => {
-        $crate::__submit_kind!(MixerKindEntry, MixerKind, $name, $value);
+    ($($args:tt)*) => {
+        $crate::__register_kind!(MixerKindEntry, MixerKind, Mixer; $($args)*);
     };
-    ($(#[$meta:meta])* kind $kind:ident = $name:literal {
+}
+
+/// [`register_layer_kind!`] and [`register_mixer_kind!`] for the registry
+/// entry `ENTRY` of kinds `TRAIT` that build a `BUILT`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __register_kind {
+    ($entry:ident, $trait:ident, $built:ident; $name:literal, $value:expr) => {
+        $crate::__submit_kind!($entry, $trait, $name, $value);
+    };
+    ($entry:ident, $trait:ident, $built:ident; $(#[$meta:meta])* kind $kind:ident = $name:literal {
         options: $options:ty, state: $state:expr, summary: $summary:literal, build: $build:path $(,)?
     }) => {
-        $crate::__kind_impl!($(#[$meta])* $kind, MixerKind, Mixer, $name, $options, $state, $summary, $build);
-        $crate::register_mixer_kind!($name, $kind);
+        $crate::__kind_impl!($(#[$meta])* $kind, $trait, $built, $name, $options, $state, $summary, $build);
+        $crate::__submit_kind!($entry, $trait, $name, $kind);
     };
 }
 

@@ -154,6 +154,25 @@ impl WeightMap {
             .transpose()
     }
 
+    /// Removes and returns a tensor that must be there, or the error that
+    /// names it, the files and the nearest names present.
+    pub fn remove_required(&mut self, name: &str) -> Result<(Array, usize)> {
+        match self.remove(name)? {
+            Some(found) => Ok(found),
+            None => Err(self.missing(name)),
+        }
+    }
+
+    /// The error for a tensor `name` these files lack: the files and the
+    /// nearest names present.
+    pub fn missing(&self, name: &str) -> Error {
+        Error::MissingTensor {
+            name: name.to_owned(),
+            files: self.files().to_vec(),
+            nearest: nearest_names(name, &self.names(), 3),
+        }
+    }
+
     /// All names, sorted.
     pub fn names(&self) -> Vec<String> {
         self.tensors.keys().cloned().collect()
@@ -396,11 +415,7 @@ impl WeightLoader {
     }
 
     fn missing(&self, name: &str) -> Error {
-        Error::MissingTensor {
-            name: name.to_owned(),
-            files: self.map.files().to_vec(),
-            nearest: nearest_names(name, &self.map.names(), 3),
-        }
+        self.map.missing(name)
     }
 
     fn file_for(&self, name: &str) -> PathBuf {

@@ -142,45 +142,33 @@ fn write_json(
             }
         }
         ValueKind::String => out.push_str(&json_string(v.as_str().unwrap_or_default())),
-        ValueKind::Seq | ValueKind::Iterable => {
+        ValueKind::Seq | ValueKind::Iterable | ValueKind::Map => {
+            // A map iterates over its keys; each item is `"key": value`.
+            let map = v.kind() == ValueKind::Map;
+            let (open, close) = if map { ('{', '}') } else { ('[', ']') };
             let items: Vec<Value> = v.try_iter()?.collect();
-            if items.is_empty() {
-                out.push_str("[]");
-                return Ok(());
-            }
-            out.push('[');
+            out.push(open);
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                write_json(item, indent, depth + 1, out)?;
-            }
-            newline(out, depth);
-            out.push(']');
-        }
-        ValueKind::Map => {
-            let keys: Vec<Value> = v.try_iter()?.collect();
-            if keys.is_empty() {
-                out.push_str("{}");
-                return Ok(());
-            }
-            out.push('{');
-            for (i, k) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
-                }
-                newline(out, depth + 1);
-                let key = match k.as_str() {
-                    Some(s) => s.to_owned(),
-                    None => k.to_string(),
+                let value = if map {
+                    let key = item
+                        .as_str()
+                        .map_or_else(|| item.to_string(), str::to_owned);
+                    out.push_str(&json_string(&key));
+                    out.push_str(": ");
+                    v.get_item(item)?
+                } else {
+                    item.clone()
                 };
-                out.push_str(&json_string(&key));
-                out.push_str(": ");
-                write_json(&v.get_item(k)?, indent, depth + 1, out)?;
+                write_json(&value, indent, depth + 1, out)?;
             }
-            newline(out, depth);
-            out.push('}');
+            if !items.is_empty() {
+                newline(out, depth);
+            }
+            out.push(close);
         }
         _ => out.push_str(&json_string(&v.to_string())),
     }

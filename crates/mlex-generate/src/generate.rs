@@ -332,7 +332,7 @@ impl Generator {
             Some(h) => (h.cache, h.reused),
             None => (self.model.make_cache(1)?, 0),
         };
-        let recurrent = cache.layers.iter().flatten().any(|c| !c.grows());
+        let recurrent = cache.has_fixed_state();
         let mut checkpoints = Vec::new();
         let logits = self.prefill(
             &prompt[reused..],

@@ -454,33 +454,28 @@ mod tests {
 
     #[test]
     fn top_p_and_min_p_cut_the_tail() {
-        let cfg = SamplerConfig {
-            temp: 1.0,
+        let top_p = SamplerConfig {
             top_p: 0.5,
             seed: Some(1),
             ..Default::default()
         };
-        let mut s = Sampler::new(cfg, 6).unwrap();
-        for _ in 0..30 {
-            let t = ids(&s.sample(&logits(), None).unwrap())[0];
-            assert!(
-                t == 1 || t == 3,
-                "top-p 0.5 keeps the two top tokens, got {t}"
-            );
-        }
-        let cfg = SamplerConfig {
-            temp: 1.0,
+        let min_p = SamplerConfig {
             min_p: 0.5,
             seed: Some(2),
             ..Default::default()
         };
-        let mut s = Sampler::new(cfg, 6).unwrap();
-        for _ in 0..30 {
-            let t = ids(&s.sample(&logits(), None).unwrap())[0];
-            assert!(
-                t == 1 || t == 3,
-                "min-p 0.5 keeps tokens within half the top probability, got {t}"
-            );
+        for (cfg, keeps) in [
+            (top_p, "top-p 0.5 keeps the two top tokens"),
+            (
+                min_p,
+                "min-p 0.5 keeps tokens within half the top probability",
+            ),
+        ] {
+            let mut s = Sampler::new(SamplerConfig { temp: 1.0, ..cfg }, 6).unwrap();
+            for _ in 0..30 {
+                let t = ids(&s.sample(&logits(), None).unwrap())[0];
+                assert!(t == 1 || t == 3, "{keeps}, got {t}");
+            }
         }
     }
 

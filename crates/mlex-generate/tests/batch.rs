@@ -42,6 +42,17 @@ fn one_at_a_time(g: &mut Generator, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// `prompts` decoded together, at most `rows` at a time (prompt `i` with
+/// `max_tokens(i)`): each one's tokens, in order.
+fn batched(g: &mut Generator, prompts: &[Vec<u32>], rows: usize) -> Vec<Vec<u32>> {
+    let mut b = BatchGenerator::new(g, rows).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        b.submit(p.clone(), opts(max_tokens(i)));
+    }
+    let got = b.run(&mut |_, _| Ok(Flow::Continue)).unwrap();
+    got.into_iter().map(|(_, r)| r.unwrap().tokens).collect()
+}
+
 const LENGTHS: [usize; 6] = [7, 33, 1, 20, 33, 12];
 
 fn prompts(vocab: u32) -> Vec<Vec<u32>> {
@@ -192,13 +203,9 @@ fn a_toml_defined_hybrid_batches_like_the_built_ins() {
     let vocab = g.model.vocab_size() as u32;
     let ps = prompts(vocab);
     let want = one_at_a_time(&mut g, &ps);
-    let mut b = BatchGenerator::new(&mut g, 3).unwrap();
-    for (i, p) in ps.iter().enumerate() {
-        b.submit(p.clone(), opts(max_tokens(i)));
-    }
-    let got = b.run(&mut |_, _| Ok(Flow::Continue)).unwrap();
-    for (i, (_, r)) in got.into_iter().enumerate() {
-        assert_eq!(r.unwrap().tokens, want[i], "prompt {i}");
+    let got = batched(&mut g, &ps, 3);
+    for (i, tokens) in got.into_iter().enumerate() {
+        assert_eq!(tokens, want[i], "prompt {i}");
     }
 }
 
@@ -226,31 +233,23 @@ fn batched_low_precision_mostly_equals_one_at_a_time_and_diverges_only_at_near_t
         let vocab = g.model.vocab_size() as u32;
         let ps = prompts(vocab);
         let want = one_at_a_time(&mut g, &ps);
-        let mut b = BatchGenerator::new(&mut g, 4).unwrap();
-        for (i, p) in ps.iter().enumerate() {
-            b.submit(p.clone(), opts(max_tokens(i)));
-        }
-        let got = b.run(&mut |_, _| Ok(Flow::Continue)).unwrap();
-        drop(b);
-        for (i, (_, r)) in got.into_iter().enumerate() {
-            let r = r.unwrap();
+        for (i, tokens) in batched(&mut g, &ps, 4).into_iter().enumerate() {
             total += 1;
-            if r.tokens == want[i] {
+            if tokens == want[i] {
                 same += 1;
                 continue;
             }
-            let k = r
-                .tokens
+            let k = tokens
                 .iter()
                 .zip(&want[i])
                 .position(|(a, b)| a != b)
                 .expect("same length, different tokens");
             let mut ctx = ps[i].clone();
             ctx.extend(&want[i][..k]);
-            let m = margin(&g, &ctx, want[i][k], r.tokens[k]);
+            let m = margin(&g, &ctx, want[i][k], tokens[k]);
             report.push(format!(
                 "{name} prompt {i}: diverges at token {k} ({} vs {}), logit gap {m:.4}",
-                want[i][k], r.tokens[k]
+                want[i][k], tokens[k]
             ));
             assert!(
                 m < NEAR_TIE,
@@ -268,6 +267,15 @@ fn batched_low_precision_mostly_equals_one_at_a_time_and_diverges_only_at_near_t
     );
 }
 
+/// A generator of fixture `name` with the prompt cache on, a checkpoint
+/// every 16 tokens; the vocabulary size.
+fn checkpointing(name: &str) -> (Generator, u32) {
+    let mut g = generator(&fixture(name), true);
+    g.checkpoint_every = 16;
+    let vocab = g.model.vocab_size() as u32;
+    (g, vocab)
+}
+
 /// Batched requests that use the prompt cache: the second of two prompts
 /// sharing 40 tokens restores the deepest checkpoint before token 40 (every
 /// 16 here) and computes only the rest, on a hybrid and on an attention-only
@@ -275,10 +283,7 @@ fn batched_low_precision_mostly_equals_one_at_a_time_and_diverges_only_at_near_t
 #[test]
 fn batched_requests_reuse_a_shared_prefix_through_the_prompt_cache() {
     for name in ["qwen3_5-f32", "llama-f32"] {
-        let f = fixture(name);
-        let mut g = generator(&f, true);
-        g.checkpoint_every = 16;
-        let vocab = g.model.vocab_size() as u32;
+        let (mut g, vocab) = checkpointing(name);
         let shared = random_ids(77, 40, vocab);
         let mut a = shared.clone();
         a.extend(random_ids(78, 9, vocab));
@@ -314,10 +319,7 @@ fn batched_requests_reuse_a_shared_prefix_through_the_prompt_cache() {
 #[test]
 fn prompt_tails_fed_through_the_batch_equal_cold_runs() {
     for name in ["qwen3_5-f32", "llama-f32"] {
-        let f = fixture(name);
-        let mut g = generator(&f, true);
-        g.checkpoint_every = 16;
-        let vocab = g.model.vocab_size() as u32;
+        let (mut g, vocab) = checkpointing(name);
         // 50 tokens: 49, where the repeat restores, is no multiple of 16.
         let a = random_ids(81, 50, vocab);
         let mut longer = a.clone();
@@ -479,17 +481,8 @@ fn a_row_taken_out_of_a_batched_forward_equals_its_own_forward() {
     use mlex_core::model::ModelCache;
     use mlx_rs::ops::indexing::TryIndexOp;
     use mlx_rs::Array;
-    let names = [
-        "llama-f32",
-        "qwen3-f32",
-        "qwen3_moe-f32",
-        "qwen3_next-f32",
-        "qwen3_5-f32",
-        "nemotron_h-f32",
-        "dhara-f32",
-    ];
     let mut bad = Vec::new();
-    for name in names {
+    for name in EACH_KIND_F32 {
         let f = fixture(name);
         let registry = mlex_models::registry().unwrap();
         let model = load(path_of(&f).to_str().unwrap(), registry).unwrap().model;

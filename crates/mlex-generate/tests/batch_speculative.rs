@@ -158,18 +158,10 @@ fn check_lengths(
 
 #[test]
 fn batched_speculative_greedy_equals_plain_one_at_a_time() {
-    for name in [
-        "llama-f32",
-        "qwen3-f32",
-        "qwen3_moe-f32",
-        "qwen3_next-f32",
-        "qwen3_5-f32",
-        "nemotron_h-f32",
-        "dhara-f32",
-        "olmo2-f32",
-        "granite-f32",
-        "phi3-f32",
-    ] {
+    for name in EACH_KIND_F32
+        .into_iter()
+        .chain(["olmo2-f32", "granite-f32", "phi3-f32"])
+    {
         check(name, 3, 1.0);
     }
 }
@@ -265,10 +257,7 @@ fn agreement(a: &[(usize, Vec<u32>)], b: &[(usize, Vec<u32>)]) -> (usize, usize)
 /// shifted position's states would not give.
 #[test]
 fn batched_mtp_drafts_from_each_rows_own_states_and_equals_plain() {
-    let with: Vec<_> = fixtures()
-        .into_iter()
-        .filter(|f| f.mtp_reference.is_some())
-        .collect();
+    let with = fixtures_where(|f| f.mtp_reference.is_some());
     assert_eq!(with.len(), 3, "two Hugging Face checkpoints and a GGUF");
     for f in &with {
         let model = with_head(f);

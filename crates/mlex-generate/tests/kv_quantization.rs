@@ -65,14 +65,7 @@ fn compiled_speculative_and_restored_paths_agree_under_kv_bits_and_windows() {
             Kv::Quantized => "quantized_kv",
             Kv::Window => "rotating_kv",
         };
-        let made = compiled
-            .model
-            .make_cache(1)
-            .unwrap()
-            .layers
-            .iter()
-            .flatten()
-            .any(|c| c.kind() == kind);
+        let made = compiled.model.make_cache(1).unwrap().holds_kind(kind);
         assert!(made, "{name}: no {kind} cache");
 
         let mut script = p.clone();

@@ -74,14 +74,7 @@ fn a_prompt_diverging_anywhere_continues_as_a_cold_prefill() {
             .unwrap_or_else(|| panic!("fixture {name}"));
         let mut warm = generator(f, c);
         let vocab = warm.model.vocab_size() as u32;
-        let recurrent = warm
-            .model
-            .make_cache(1)
-            .unwrap()
-            .layers
-            .iter()
-            .flatten()
-            .any(|c| !c.grows());
+        let recurrent = warm.model.make_cache(1).unwrap().has_fixed_state();
         let base = random_ids(7, 300, vocab);
         // Inside the first chunk (token 1), inside a chunk, on a chunk
         // boundary, just past one, and at the last token (where the

@@ -196,21 +196,13 @@ fn a_verify_forward_keeps_the_state_plain_steps_reach_at_every_position() {
                 assert_eq!(sa, sb, "{name} kept {kept}: {na} shape");
                 // Rows of one product against one row at a time: equal up
                 // to the BLAS kernel's summation order.
-                let (d, m) = max_diff(va, vb);
-                assert!(
-                    d <= 1e-5 * m.max(1.0),
-                    "{name} kept {kept}: {na} differs by {d} (max {m})"
-                );
+                assert_close(va, vb, 1e-5, &format!("{name} kept {kept}: {na}"));
             }
             // And the next token's logits agree.
             let probe = tokens(&[next[0]]);
             let la = to_f32(&model.forward_last(&probe, &mut spec).unwrap());
             let lb = to_f32(&model.forward_last(&probe, &mut plain).unwrap());
-            let (d, m) = max_diff(&la, &lb);
-            assert!(
-                d <= 1e-4 * m.max(1.0),
-                "{name} kept {kept}: next logits differ by {d}"
-            );
+            assert_close(&la, &lb, 1e-4, &format!("{name} kept {kept}: next logits"));
         }
     }
 }
@@ -224,10 +216,7 @@ fn a_draft_model_of_another_vocabulary_is_refused_naming_the_option() {
         .err()
         .expect("refused")
         .to_string();
-    assert!(
-        err.contains("--draft-model") && err.contains("small-model"),
-        "{err}"
-    );
+    assert_mentions(&err, &["--draft-model", "small-model"]);
 }
 
 #[test]
@@ -298,10 +287,11 @@ fn the_prompt_cache_after_speculative_decoding_restores_exactly() {
         let (warm, reused) = g.prompt_logits(&next, true).unwrap();
         assert!(reused > p.len(), "{name}: reused only {reused} tokens");
         let (cold, _) = g.prompt_logits(&next, false).unwrap();
-        let (d, m) = max_diff(&to_f32(&warm), &to_f32(&cold));
-        assert!(
-            d <= 1e-5 * m.max(1.0),
-            "{name}: restored logits differ by {d}"
+        assert_close(
+            &to_f32(&warm),
+            &to_f32(&cold),
+            1e-5,
+            &format!("{name}: restored logits"),
         );
     }
 }
@@ -351,10 +341,7 @@ fn forced_acceptance_keeps_the_set_share_of_drafts() {
 /// rounds, not the rate, are checked.
 #[test]
 fn greedy_mtp_speculation_equals_plain() {
-    let with: Vec<Fixture> = fixtures()
-        .into_iter()
-        .filter(|f| f.mtp_reference.is_some())
-        .collect();
+    let with = fixtures_where(|f| f.mtp_reference.is_some());
     assert_eq!(with.len(), 3, "two Hugging Face checkpoints and a GGUF");
     let dispatch = mlex_models::dispatch().unwrap();
     for f in &with {

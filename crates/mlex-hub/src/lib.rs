@@ -584,28 +584,24 @@ mod tests {
     #[test]
     fn selection_takes_only_what_a_model_needs() {
         let spec = HubSpec::parse("o/n").unwrap();
-        let listing = s(&[
-            ".gitattributes",
-            "README.md",
+        let needed = [
             "config.json",
             "model-00001-of-00002.safetensors",
             "model-00002-of-00002.safetensors",
             "model.safetensors.index.json",
             "tokenizer.json",
             "tokenizer_config.json",
+        ];
+        let others = [
+            ".gitattributes",
+            "README.md",
             "pytorch_model.bin",
             "onnx/model.safetensors",
-        ]);
+        ];
+        let listing = s(&[&others[..2], &needed, &others[2..]].concat());
         assert_eq!(
             select_files(&spec, &listing).unwrap(),
-            Selection::Dir(s(&[
-                "config.json",
-                "model-00001-of-00002.safetensors",
-                "model-00002-of-00002.safetensors",
-                "model.safetensors.index.json",
-                "tokenizer.json",
-                "tokenizer_config.json",
-            ]))
+            Selection::Dir(s(&needed))
         );
         let ggufs = s(&["README.md", "m-Q4_K_M.gguf", "m-Q8_0.gguf", "m-Q4_K_S.gguf"]);
         let q = HubSpec::parse("o/n:Q4_K_M").unwrap();

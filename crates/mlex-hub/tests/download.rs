@@ -4,6 +4,7 @@
 //! its token, offline mode, and GGUF selection by file or quant tag.
 
 use mlex_hub::{fetch, HubConfig, HubSpec, Origin};
+use mlex_testkit::assert_mentions;
 use mlex_testkit::hub::FakeHub;
 use std::path::Path;
 
@@ -133,10 +134,7 @@ fn a_corrupt_download_is_refused_and_removed_then_fetched_anew() {
     let cfg = config(&hub, cache.path());
     let spec = HubSpec::parse("org/tiny").unwrap();
     let err = fetch(&spec, &cfg).unwrap_err().to_string();
-    assert!(
-        err.contains("model.safetensors") && err.contains("checksum mismatch"),
-        "{err}"
-    );
+    assert_mentions(&err, &["model.safetensors", "checksum mismatch"]);
     let snap = cache
         .path()
         .join("models--org--tiny/snapshots")
@@ -161,13 +159,10 @@ fn a_gated_repo_asks_for_hf_token_and_opens_with_it() {
     let mut cfg = config(&hub, cache.path());
     let spec = HubSpec::parse("org/gated").unwrap();
     let err = fetch(&spec, &cfg).unwrap_err().to_string();
-    assert!(
-        err.contains("org/gated") && err.contains("401") && err.contains("set HF_TOKEN"),
-        "{err}"
-    );
+    assert_mentions(&err, &["org/gated", "401", "set HF_TOKEN"]);
     cfg.token = Some("hf_wrong".into());
     let err = fetch(&spec, &cfg).unwrap_err().to_string();
-    assert!(err.contains("HF_TOKEN") && err.contains("refused"), "{err}");
+    assert_mentions(&err, &["HF_TOKEN", "refused"]);
     cfg.token = Some("hf_good".into());
     let got = fetch(&spec, &cfg).unwrap();
     assert!(got.path.join("config.json").is_file());
@@ -187,10 +182,7 @@ fn offline_mode_reads_the_cache_and_never_the_network() {
     cfg.offline = true;
     let spec = HubSpec::parse("org/tiny").unwrap();
     let err = fetch(&spec, &cfg).unwrap_err().to_string();
-    assert!(
-        err.contains("HF_HUB_OFFLINE") && err.contains("org/tiny"),
-        "{err}"
-    );
+    assert_mentions(&err, &["HF_HUB_OFFLINE", "org/tiny"]);
     assert!(hub.seen().is_empty());
     cfg.offline = false;
     fetch(&spec, &cfg).unwrap();
@@ -217,10 +209,7 @@ fn a_gguf_repo_downloads_the_one_file_asked_for() {
     let err = fetch(&HubSpec::parse("org/tiny-gguf").unwrap(), &cfg)
         .unwrap_err()
         .to_string();
-    assert!(
-        err.contains("tiny-Q4_K_M.gguf") && err.contains("org/name:Q4_K_M"),
-        "{err}"
-    );
+    assert_mentions(&err, &["tiny-Q4_K_M.gguf", "org/name:Q4_K_M"]);
     let got = fetch(&HubSpec::parse("org/tiny-gguf:Q8_0").unwrap(), &cfg).unwrap();
     assert!(got.is_gguf);
     assert_eq!(std::fs::read(&got.path).unwrap(), blob(8192, 2));
@@ -238,8 +227,5 @@ fn a_gguf_repo_downloads_the_one_file_asked_for() {
     let err = fetch(&HubSpec::parse("org/absent").unwrap(), &cfg)
         .unwrap_err()
         .to_string();
-    assert!(
-        err.contains("org/absent") && err.contains("401") && err.contains("no such repo"),
-        "{err}"
-    );
+    assert_mentions(&err, &["org/absent", "401", "no such repo"]);
 }

@@ -33,6 +33,16 @@ pub struct OutputSpec {
     pub dtype: Dtype,
 }
 
+impl OutputSpec {
+    /// An output of `shape` and `dtype`.
+    pub fn new(shape: &[i32], dtype: Dtype) -> Self {
+        Self {
+            shape: shape.to_vec(),
+            dtype,
+        }
+    }
+}
+
 /// A custom CUDA kernel built from source.
 pub struct CudaKernel {
     raw: mlx_sys::mlx_fast_cuda_kernel,

@@ -306,19 +306,29 @@ impl Prepared {
     }
 }
 
+/// One layer's inputs to the rule's gates and projections, for
+/// [`prepare`], [`decode_ops`], [`decode_fused`] and [`steps_fused`].
+#[derive(Clone, Copy)]
+pub struct LayerInputs<'a> {
+    /// The convolved projection `[B, L, 2 Hk Dk + H Dv]`.
+    pub conv: &'a Array,
+    /// The decay input `[B, L, H]`.
+    pub a: &'a Array,
+    /// The write-strength input `[B, L, H]`.
+    pub b: &'a Array,
+    /// `A_log` `[H]`.
+    pub a_log: &'a Array,
+    /// `dt_bias` `[H]`.
+    pub dt_bias: &'a Array,
+}
+
 /// Splits the convolved projection `conv` `[B, L, 2 Hk Dk + H Dv]` into
 /// q, k, v, normalises q and k as mlx-lm's `normalize_qk` does (RMS norm
 /// with `eps = 1e-6 / Dk`, then `Dk^-1` for q and `Dk^-1/2` for k, i.e. unit
 /// L2 norm for k), and makes the gates from `a`, `b` `[B, L, H]`:
 /// `log g = -exp(A_log) softplus(a + dt_bias)`, `beta = sigmoid(b)`.
-pub fn prepare(
-    conv: &Array,
-    a: &Array,
-    b: &Array,
-    a_log: &Array,
-    dt_bias: &Array,
-    heads: Heads,
-) -> Result<Prepared> {
+pub fn prepare(x: LayerInputs<'_>, heads: Heads) -> Result<Prepared> {
+    let (conv, a, b, a_log, dt_bias) = (x.conv, x.a, x.b, x.a_log, x.dt_bias);
     let s = conv.shape();
     let (bsz, len) = (s[0], s[1]);
     let Heads {
@@ -360,16 +370,8 @@ pub fn prepare(
 /// One decode token in plain ops: `conv` `[B, 1, C]`, `a`, `b` `[B, 1, H]`,
 /// `state` `[B, H, Dv, Dk]` → (y `[B, 1, H, Dv]`, new state). The
 /// reference for [`decode_fused`].
-pub fn decode_ops(
-    conv: &Array,
-    a: &Array,
-    b: &Array,
-    a_log: &Array,
-    dt_bias: &Array,
-    state: &Array,
-    heads: Heads,
-) -> Result<(Array, Array)> {
-    let p = prepare(conv, a, b, a_log, dt_bias, heads)?;
+pub fn decode_ops(x: LayerInputs<'_>, state: &Array, heads: Heads) -> Result<(Array, Array)> {
+    let p = prepare(x, heads)?;
     let at = |x: &Array| -> Result<Array> { Ok(x.try_index((.., 0))?) };
     let g = ops::exp(&p.log_g)?;
     let (y, next) = step(
@@ -396,22 +398,14 @@ pub fn fused_decode_supported(heads: Heads) -> bool {
 /// [`decode_ops`] as one custom CUDA kernel (`gated_delta_decode.cu`):
 /// split, q/k normalisation, gates and the state update in one launch.
 /// CUDA only; check [`fused_decode_supported`] first.
-pub fn decode_fused(
-    conv: &Array,
-    a: &Array,
-    b: &Array,
-    a_log: &Array,
-    dt_bias: &Array,
-    state: &Array,
-    heads: Heads,
-) -> Result<(Array, Array)> {
-    if conv.shape().get(1) != Some(&1) {
+pub fn decode_fused(x: LayerInputs<'_>, state: &Array, heads: Heads) -> Result<(Array, Array)> {
+    if x.conv.shape().get(1) != Some(&1) {
         return Err(Error::invalid(
             "fused gated delta decode",
-            format!("conv {:?} is not one token", conv.shape()),
+            format!("conv {:?} is not one token", x.conv.shape()),
         ));
     }
-    let (y, states) = steps_fused(conv, a, b, a_log, dt_bias, state, heads, false)?;
+    let (y, states) = steps_fused(x, state, heads, false)?;
     Ok((y, ops::reshape(&states, state.shape())?))
 }
 
@@ -423,17 +417,13 @@ pub fn decode_fused(
 /// token's arithmetic is the decode step's, so the states equal `T`
 /// chained [`decode_fused`] calls bit for bit. CUDA only; check
 /// [`fused_decode_supported`] first.
-#[allow(clippy::too_many_arguments)]
 pub fn steps_fused(
-    conv: &Array,
-    a: &Array,
-    b: &Array,
-    a_log: &Array,
-    dt_bias: &Array,
+    x: LayerInputs<'_>,
     state: &Array,
     heads: Heads,
     keep_all: bool,
 ) -> Result<(Array, Array)> {
+    let (conv, a, b, a_log, dt_bias) = (x.conv, x.a, x.b, x.a_log, x.dt_bias);
     use crate::cuda::{CudaKernel, OutputSpec, TemplateArg};
     if !fused_decode_supported(heads) {
         return Err(Error::invalid(
@@ -481,14 +471,8 @@ pub fn steps_fused(
     kernel.apply2(
         &[conv, a, b, a_log, dt_bias, &state],
         [
-            OutputSpec {
-                shape: vec![bsz, t, nv, dv],
-                dtype,
-            },
-            OutputSpec {
-                shape: vec![kept, bsz, nv, dv, dk],
-                dtype: Dtype::Float32,
-            },
+            OutputSpec::new(&[bsz, t, nv, dv], dtype),
+            OutputSpec::new(&[kept, bsz, nv, dv, dk], Dtype::Float32),
         ],
         &[
             ("InT", TemplateArg::Dtype(dtype)),

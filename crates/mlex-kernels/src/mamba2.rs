@@ -53,13 +53,8 @@ pub fn decode_ops(
     shape: Shape,
 ) -> Result<(Array, Array)> {
     let b = conv.shape()[0];
-    let Shape {
-        heads: h,
-        head_dim: dh,
-        groups: g,
-        state_dim: n,
-        dt_limit,
-    } = shape;
+    let (h, dh, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_dim);
+    let dt_limit = shape.dt_limit;
     let inner = h * dh;
     let parts = ops::split_at_indices(conv, &[inner, inner + g * n], -1)?;
     let x = ops::reshape(&parts[0], &[b, h, dh])?;
@@ -131,13 +126,8 @@ pub fn steps_fused(
     shape: Shape,
     keep_all: bool,
 ) -> Result<(Array, Array)> {
-    let Shape {
-        heads: h,
-        head_dim: dh,
-        groups: g,
-        state_dim: n,
-        dt_limit,
-    } = shape;
+    let (h, dh, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_dim);
+    let dt_limit = shape.dt_limit;
     let (b, t) = match conv.shape() {
         [b, t, c] if *c == shape.conv_dim() && *t >= 1 => (*b, *t),
         other => {
@@ -171,14 +161,8 @@ pub fn steps_fused(
     kernel.apply2(
         &[conv, dt, p.dt_bias, p.a_log, p.d, &limits, &state],
         [
-            OutputSpec {
-                shape: vec![b, t, h, dh],
-                dtype,
-            },
-            OutputSpec {
-                shape: vec![kept, b, h, dh, n],
-                dtype: Dtype::Float32,
-            },
+            OutputSpec::new(&[b, t, h, dh], dtype),
+            OutputSpec::new(&[kept, b, h, dh, n], Dtype::Float32),
         ],
         &[
             ("InT", TemplateArg::Dtype(dtype)),

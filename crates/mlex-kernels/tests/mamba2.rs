@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{assert_on_cuda, max_rel, normal};
+use common::{assert_kept_state, assert_on_cuda, assert_step_close, normal};
 use mlex_kernels::mamba2::{self, Params, Shape};
 use mlx_rs::{ops, Array, Dtype};
 
@@ -43,17 +43,15 @@ fn fused_decode_equals_ops_on_cuda() {
             for t in 0..4 {
                 let conv = cast(normal(&[b, 1, shape.conv_dim()], 10 + t));
                 let dt = cast(normal(&[b, 1, h], 20 + t));
-                let (y0, n0) = mamba2::decode_ops(&conv, &dt, p, &s0, shape).unwrap();
-                let (y1, n1) = mamba2::decode_fused(&conv, &dt, p, &s1, shape).unwrap();
-                assert_eq!(y0.shape(), y1.shape());
-                let limit = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
-                let (dy, ds) = (max_rel(&y1, &y0), max_rel(&n1, &n0));
-                assert!(
-                    dy < limit && ds < limit,
-                    "{shape:?} {dtype:?} token {t}: y {dy}, state {ds}"
+                let ops = mamba2::decode_ops(&conv, &dt, p, &s0, shape).unwrap();
+                let fused = mamba2::decode_fused(&conv, &dt, p, &s1, shape).unwrap();
+                assert_step_close(
+                    &ops,
+                    &fused,
+                    dtype,
+                    &format!("{shape:?} {dtype:?} token {t}"),
                 );
-                s0 = n0;
-                s1 = n1;
+                (s0, s1) = (ops.1, fused.1);
             }
         }
     }
@@ -194,20 +192,12 @@ fn fused_steps_keep_every_state_on_cuda() {
             let (mut s_ops, mut s_dec) = (s0.clone(), s0.clone());
             for i in 0..t {
                 let at = |x: &Array| x.try_index((.., i..i + 1)).unwrap();
-                let (y0, n0) = mamba2::decode_ops(&at(&conv), &at(&dt), p, &s_ops, shape).unwrap();
-                let (y1, n1) =
-                    mamba2::decode_fused(&at(&conv), &at(&dt), p, &s_dec, shape).unwrap();
-                let (y, s) = (at(&ys), states.try_index(i).unwrap());
-                let limit = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
-                let (dy, ds) = (max_rel(&y, &y0), max_rel(&s, &n0));
-                assert!(
-                    dy < limit && ds < limit,
-                    "{dtype:?} T={t} position {i}: y {dy}, state {ds} against the ops form"
-                );
-                assert_eq!(max_rel(&s, &n1), 0.0, "{dtype:?} T={t} position {i}: state");
-                assert_eq!(max_rel(&y, &y1), 0.0, "{dtype:?} T={t} position {i}: y");
-                s_ops = n0;
-                s_dec = n1;
+                let ops = mamba2::decode_ops(&at(&conv), &at(&dt), p, &s_ops, shape).unwrap();
+                let dec = mamba2::decode_fused(&at(&conv), &at(&dt), p, &s_dec, shape).unwrap();
+                let kept = (at(&ys), states.try_index(i).unwrap());
+                let what = format!("{dtype:?} T={t} position {i}");
+                assert_kept_state(&kept, &ops, &dec, dtype, &what);
+                (s_ops, s_dec) = (ops.1, dec.1);
             }
         }
     }

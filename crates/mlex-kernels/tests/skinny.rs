@@ -67,23 +67,10 @@ fn skinny_matmul_equals_mlx_matmul_on_cuda() {
             }
         }
         // Out of range, or a shape it does not take: MLX's matmul serves.
-        let x = Array::zeros::<f32>(&[65, 16])
-            .unwrap()
-            .as_dtype(dtype)
-            .unwrap();
-        let w = Array::zeros::<f32>(&[8, 16])
-            .unwrap()
-            .as_dtype(dtype)
-            .unwrap();
-        assert!(skinny::matmul_within(&x, &w, (1, 64)).unwrap().is_none());
-        let x = Array::zeros::<f32>(&[4, 12])
-            .unwrap()
-            .as_dtype(dtype)
-            .unwrap();
-        let w = Array::zeros::<f32>(&[8, 12])
-            .unwrap()
-            .as_dtype(dtype)
-            .unwrap();
-        assert!(skinny::matmul_within(&x, &w, (1, 64)).unwrap().is_none());
+        let zeros = |shape: &[i32]| Array::zeros::<f32>(shape).unwrap().as_dtype(dtype).unwrap();
+        for (x, w) in [([65, 16], [8, 16]), ([4, 12], [8, 12])] {
+            let (x, w) = (zeros(&x), zeros(&w));
+            assert!(skinny::matmul_within(&x, &w, (1, 64)).unwrap().is_none());
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! The weight translation steps an architecture spec's `[[sanitize]]`
 //! names (see [`crate::spec`]), as mlx-lm's `sanitize` methods do them.
 
-use mlex_core::error::{Error, Result};
+use mlex_core::error::Result;
 use mlex_core::weights::WeightMap;
 use mlx_rs::ops;
 use mlx_rs::ops::indexing::TryIndexOp;
@@ -62,11 +62,7 @@ pub fn stack_experts(
         let mut file = 0;
         for e in 0..experts {
             let name = format!("{prefix}.experts.{e}.{from}.weight");
-            let (a, f) = weights.remove(&name)?.ok_or_else(|| Error::MissingTensor {
-                name: name.clone(),
-                files: weights.files().to_vec(),
-                nearest: mlex_core::weights::nearest_names(&name, &weights.names(), 3),
-            })?;
+            let (a, f) = weights.remove_required(&name)?;
             file = f;
             parts.push(a);
         }
@@ -98,11 +94,7 @@ pub fn split_gate_up(weights: &mut WeightMap, prefix: &str) -> Result<()> {
         file,
     );
     let down = format!("{prefix}.experts.down_proj");
-    let (d, f) = weights.remove(&down)?.ok_or_else(|| Error::MissingTensor {
-        name: down.clone(),
-        files: weights.files().to_vec(),
-        nearest: mlex_core::weights::nearest_names(&down, &weights.names(), 3),
-    })?;
+    let (d, f) = weights.remove_required(&down)?;
     weights.insert(format!("{prefix}.switch_mlp.down_proj.weight"), d, f);
     Ok(())
 }

@@ -133,10 +133,7 @@ fn an_index_out_of_step_with_its_shards_is_named() {
         m.insert(name.clone(), "../model-00001-of-00003.safetensors".into());
     });
     let e = load_err(&dir).to_string();
-    assert!(
-        e.contains("index.json") && e.contains("not a file name"),
-        "{e}"
-    );
+    assert_mentions(&e, &["index.json", "not a file name"]);
 
     // Another series of shards beside (a variant with its own index) is
     // not this index's business.
@@ -157,16 +154,10 @@ fn truncated_and_corrupt_safetensors_name_the_file() {
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
     let e = load_err(&dir).to_string();
-    assert!(
-        e.contains("model.safetensors") && e.contains("not a valid safetensors"),
-        "{e}"
-    );
+    assert_mentions(&e, &["model.safetensors", "not a valid safetensors"]);
     std::fs::write(&file, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all").unwrap();
     let e = load_err(&dir).to_string();
-    assert!(
-        e.contains("model.safetensors") && e.contains("safetensors"),
-        "{e}"
-    );
+    assert_mentions(&e, &["model.safetensors", "safetensors"]);
 }
 
 #[test]
@@ -189,9 +180,9 @@ fn missing_misshaped_and_unexpected_tensors_are_named() {
         );
     });
     let e = load_err(&dir).to_string();
-    assert!(
-        e.contains("model.layers.0.self_attn.k_proj.weight") && e.contains("expected shape"),
-        "{e}"
+    assert_mentions(
+        &e,
+        &["model.layers.0.self_attn.k_proj.weight", "expected shape"],
     );
     assert!(e.contains("model.safetensors"), "{e}");
     let (_d, dir) = copy_fixture("llama-f32");
@@ -202,10 +193,7 @@ fn missing_misshaped_and_unexpected_tensors_are_named() {
         );
     });
     let e = load_err(&dir).to_string();
-    assert!(
-        e.contains("unexpected tensor") && e.contains("model.layers.0.surprise.weight"),
-        "{e}"
-    );
+    assert_mentions(&e, &["unexpected tensor", "model.layers.0.surprise.weight"]);
 }
 
 #[test]
@@ -217,25 +205,20 @@ fn config_errors_name_the_file_and_key() {
     v["model_type"] = "gpt9000".into();
     std::fs::write(&cfg, v.to_string()).unwrap();
     let e = load_err(&dir).to_string();
-    assert!(
-        e.contains("unknown model_type `gpt9000`")
-            && e.contains("config.json")
-            && e.contains("qwen3_next"),
-        "{e}"
+    assert_mentions(
+        &e,
+        &["unknown model_type `gpt9000`", "config.json", "qwen3_next"],
     );
 
     v["model_type"] = "llama".into();
     v["hidden_size"] = "wide".into();
     std::fs::write(&cfg, v.to_string()).unwrap();
     let e = load_err(&dir).to_string();
-    assert!(
-        e.contains("config.json") && e.contains("hidden_size"),
-        "{e}"
-    );
+    assert_mentions(&e, &["config.json", "hidden_size"]);
 
     std::fs::write(&cfg, "{ \"model_type\": \"llama\", ").unwrap();
     let e = load_err(&dir).to_string();
-    assert!(e.contains("config.json") && e.contains("line"), "{e}");
+    assert_mentions(&e, &["config.json", "line"]);
 
     std::fs::remove_file(&cfg).unwrap();
     let e = load_err(&dir).to_string();
@@ -266,7 +249,7 @@ fn truncated_gguf_names_the_file() {
     let p = dir.path().join("cut.gguf");
     std::fs::write(&p, &bytes[..bytes.len() * 2 / 3]).unwrap();
     let e = load_err(&p).to_string();
-    assert!(e.contains("cut.gguf") && e.contains("GGUF"), "{e}");
+    assert_mentions(&e, &["cut.gguf", "GGUF"]);
     std::fs::write(&p, b"GGUF\x03\x00\x00\x00garbage").unwrap();
     let e = load_err(&p).to_string();
     assert!(e.contains("cut.gguf"), "{e}");
@@ -407,10 +390,7 @@ fn malformed_toml_architectures_are_named() {
         .err()
         .unwrap()
         .to_string();
-    assert!(
-        e.contains("warp_drive") && e.contains("mine.toml:4:12") && e.contains("gated_delta"),
-        "{e}"
-    );
+    assert_mentions(&e, &["warp_drive", "mine.toml:4:12", "gated_delta"]);
     std::fs::write(
         &p,
         "model_type = \"x\"\nextends = \"nope\"\n[layers]\npattern = [\"attention\"]\n",
@@ -420,7 +400,7 @@ fn malformed_toml_architectures_are_named() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("nope") && e.contains("mine.toml:2:11"), "{e}");
+    assert_mentions(&e, &["nope", "mine.toml:2:11"]);
     std::fs::write(
         &p,
         "model_type = \"x\"\nextends = \"llama\"\ncolour = \"red\"\n[layers]\npattern = [\"attention\"]\n",
@@ -430,7 +410,7 @@ fn malformed_toml_architectures_are_named() {
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("colour") && e.contains("mine.toml:3:1"), "{e}");
+    assert_mentions(&e, &["colour", "mine.toml:3:1"]);
     // An empty pattern points at the empty list.
     std::fs::write(
         &p,
@@ -438,10 +418,7 @@ fn malformed_toml_architectures_are_named() {
     )
     .unwrap();
     let e = mlex_models::build_registry(&[p]).err().unwrap().to_string();
-    assert!(
-        e.contains("mine.toml:4:11") && e.contains("at least one"),
-        "{e}"
-    );
+    assert_mentions(&e, &["mine.toml:4:11", "at least one"]);
 }
 
 #[test]
@@ -470,10 +447,11 @@ fn a_toml_hybrid_runs_without_rust_code() {
         .model
         .forward(&tokens(&r.prompt), &mut cache)
         .unwrap();
-    let (d, m) = max_diff(&to_f32(&logits), &to_f32(&r.logits_full));
-    assert!(
-        d <= 1e-4 * m.max(1.0),
-        "TOML hybrid differs from the reference by {d}"
+    assert_close(
+        &to_f32(&logits),
+        &to_f32(&r.logits_full),
+        1e-4,
+        "TOML hybrid and the reference",
     );
     // A pattern that does not match the weights fails strictly.
     let toml2 = dir.join("wrong.toml");
@@ -522,10 +500,11 @@ fn qwen3_5_text_serves_a_flat_text_only_checkpoint() {
         .model
         .forward(&tokens(&r.prompt), &mut cache)
         .unwrap();
-    let (d, m) = max_diff(&to_f32(&logits), &to_f32(&r.logits_full));
-    assert!(
-        d <= 1e-4 * m.max(1.0),
-        "qwen3_5_text differs from the qwen3_5 reference by {d}"
+    assert_close(
+        &to_f32(&logits),
+        &to_f32(&r.logits_full),
+        1e-4,
+        "qwen3_5_text and the qwen3_5 reference",
     );
 }
 
@@ -735,19 +714,13 @@ fn broken_specs_say_where_and_what() {
         .err()
         .unwrap()
         .to_string();
-    assert!(
-        e.contains("bad.toml:") && e.contains("rope_base") && e.contains("rope_theta"),
-        "{e}"
-    );
+    assert_mentions(&e, &["bad.toml:", "rope_base", "rope_theta"]);
     // An option the kind does not have: located, with the kind's options.
     let e = build(&base.replace("gated = true", "gatd = true"))
         .err()
         .unwrap()
         .to_string();
-    assert!(
-        e.contains("bad.toml:") && e.contains("no option `gatd`") && e.contains("gated"),
-        "{e}"
-    );
+    assert_mentions(&e, &["bad.toml:", "no option `gatd`", "gated"]);
     // Block options: an unknown one is located and the block's listed (a
     // mixer's option put in the block says where it goes); a block naming
     // an unregistered mixer, a [blocks.X] no layer is called, and a mixer
@@ -756,29 +729,25 @@ fn broken_specs_say_where_and_what() {
         .err()
         .unwrap()
         .to_string();
-    assert!(
-        e.contains("bad.toml:")
-            && e.contains("blocks.mamba2.gated")
-            && e.contains("ffn_norm")
-            && e.contains("[kinds.<mixer>]"),
-        "{e}"
+    assert_mentions(
+        &e,
+        &[
+            "bad.toml:",
+            "blocks.mamba2.gated",
+            "ffn_norm",
+            "[kinds.<mixer>]",
+        ],
     );
     let e = build(&base.replace("[blocks.mamba2]\n", "[blocks.mamba2]\nmixer = \"mamba3\"\n"))
         .err()
         .unwrap()
         .to_string();
-    assert!(
-        e.contains("mamba3") && e.contains("blocks.mamba2.mixer") && e.contains("gated_delta"),
-        "{e}"
-    );
+    assert_mentions(&e, &["mamba3", "blocks.mamba2.mixer", "gated_delta"]);
     let e = build(&base.replace("[blocks.mamba2]", "[blocks.mamba]"))
         .err()
         .unwrap()
         .to_string();
-    assert!(
-        e.contains("blocks.mamba") && e.contains("no layer of the pattern"),
-        "{e}"
-    );
+    assert_mentions(&e, &["blocks.mamba", "no layer of the pattern"]);
     let e = build(&base.replace("[block]\n", "[block]\nmixer = \"attention\"\n"))
         .err()
         .unwrap()
@@ -795,47 +764,35 @@ fn broken_specs_say_where_and_what() {
         }
     };
     let e = load_with(&base, &|v| v["layer_pattern"] = "GMAGM".into());
-    assert!(
-        e.contains("layer_pattern") && e.contains("5 layers") && e.contains("says 6"),
-        "{e}"
-    );
+    assert_mentions(&e, &["layer_pattern", "5 layers", "says 6"]);
     let e = load_with(&base, &|v| v["rope_theta"] = "ten thousand".into());
-    assert!(
-        e.contains("config.json") && e.contains("rope_theta") && e.contains("expected a number"),
-        "{e}"
-    );
+    assert_mentions(&e, &["config.json", "rope_theta", "expected a number"]);
     let e = load_with(&base, &|v| v["layer_pattern"] = "GMXGMA".into());
-    assert!(
-        e.contains("unknown layer `X` at position 2") && e.contains("known: A, G, M"),
-        "{e}"
-    );
+    assert_mentions(&e, &["unknown layer `X` at position 2", "known: A, G, M"]);
     // A norm option that is neither a name nor false, and a logit scale of
     // 0, are named when a checkpoint is read.
     let e = load_with(
         &base.replace("mixer_norm = \"norm\"", "mixer_norm = true"),
         &|_| {},
     );
-    assert!(
-        e.contains("mixer_norm") && e.contains("a module name, or false"),
-        "{e}"
-    );
+    assert_mentions(&e, &["mixer_norm", "a module name, or false"]);
     let e = load_with(
         &base.replace("[model]\n", "[model]\nlogits_scaling = 0.0\n"),
         &|_| {},
     );
-    assert!(
-        e.contains("logits_scaling") && e.contains("other than 0"),
-        "{e}"
-    );
+    assert_mentions(&e, &["logits_scaling", "other than 0"]);
     // A weight-name template off by one part: the tensor is named, with the
     // checkpoint's nearest names.
     let e = load_with(
         &base.replace("[kinds.mamba2]", "[kinds.mamba2]\nmixer = \"ssm\""),
         &|_| {},
     );
-    assert!(
-        e.contains("missing tensor `model.layers.1.ssm.") && e.contains("model.layers.1.mixer."),
-        "{e}"
+    assert_mentions(
+        &e,
+        &[
+            "missing tensor `model.layers.1.ssm.",
+            "model.layers.1.mixer.",
+        ],
     );
 }
 
@@ -861,10 +818,7 @@ fn a_bad_norm_type_and_unsupported_stablelm_variants_are_named() {
         .err()
         .expect("an unknown norm_type is an error")
         .to_string();
-    assert!(
-        e.contains("bad_norm.toml:") && e.contains("batch_norm") && e.contains("layer_norm"),
-        "{e}"
-    );
+    assert_mentions(&e, &["bad_norm.toml:", "batch_norm", "layer_norm"]);
     // StableLM-2-12B's parallel residual and per-head q/k LayerNorm are
     // refused, naming the key, rather than computed wrongly.
     let f = fixture("stablelm-f32");
@@ -1069,10 +1023,11 @@ fn extends_merges_tables_and_appends_sanitize_steps() {
 
     // One field of [model]; the base's lm_head drop, then this file's rename.
     let got = logits_with(&format!("{head}[model]\nmax_context = 2048\n{rename}")).unwrap();
-    let (d, m) = max_diff(&got, &to_f32(&r.logits_full));
-    assert!(
-        d <= 1e-4 * m.max(1.0),
-        "extended spec differs from mlx-lm's qwen2 by {d}"
+    assert_close(
+        &got,
+        &to_f32(&r.logits_full),
+        1e-4,
+        "extended spec and mlx-lm's qwen2",
     );
 
     // A kind option changed, the rest of the kind's options kept.
@@ -1095,12 +1050,9 @@ fn extends_merges_tables_and_appends_sanitize_steps() {
 
     // `replace` naming what the base lacks, or without `extends`.
     let e = logits_with(&format!("{head}replace = \"sanitize\"\n")).unwrap_err();
-    assert!(e.contains("replace") && e.contains("list"), "{e}");
+    assert_mentions(&e, &["replace", "list"]);
     let e = logits_with(&format!("{head}replace = [\"kinds.mamba2\"]\n")).unwrap_err();
-    assert!(
-        e.contains("qwen2_renamed.toml") && e.contains("kinds.mamba2") && e.contains("qwen2"),
-        "{e}"
-    );
+    assert_mentions(&e, &["qwen2_renamed.toml", "kinds.mamba2", "qwen2"]);
     let base = std::fs::read_to_string(
         Path::new(env!("CARGO_MANIFEST_DIR")).join("architectures/qwen2.toml"),
     )
@@ -1110,5 +1062,5 @@ fn extends_merges_tables_and_appends_sanitize_steps() {
         "model_type = \"qwen2_renamed\"\nreplace = [\"sanitize\"]",
     );
     let e = logits_with(&base).unwrap_err();
-    assert!(e.contains("replace") && e.contains("extends"), "{e}");
+    assert_mentions(&e, &["replace", "extends"]);
 }

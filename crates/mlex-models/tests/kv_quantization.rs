@@ -64,91 +64,92 @@ fn ints(a: &Array) -> Vec<i32> {
 
 #[test]
 fn quantized_kv_follows_mlx_lm() {
-    let with: Vec<Fixture> = fixtures()
-        .into_iter()
-        .filter(|f| f.kv_reference.is_some())
-        .collect();
+    let with = fixtures_where(|f| f.kv_reference.is_some());
     assert_eq!(with.len(), 3, "llama, qwen3_5 and nemotron_h kvq fixtures");
     for f in with {
         let mut model = load(&f);
-        let prompt = reference(&f).prompt.clone();
-        let r: HashMap<String, Array> =
-            Array::load_safetensors(fixtures_dir().join(f.kv_reference.as_ref().unwrap())).unwrap();
-        let plain = trace(&model, &prompt, 2048, 8);
+        let kv = KvReference::of(&f);
+        let plain = trace(&model, &kv.prompt, 2048, 8);
         for case in ["early", "late"] {
-            let p = ints(&r[&format!("{case}.params")]);
+            let p = kv.params(case);
             model.kv_quantization = Some(KvQuantization::new(p[0], p[1], p[2] as usize).unwrap());
-            let got = follows(
-                &model,
-                &prompt,
-                p[3] as usize,
-                &r,
-                case,
-                &format!("{} {case}", f.name),
-            );
+            let got = kv.follows(&model, case, p[3] as usize, "");
             // CUDA's form (dequantized keys, the fused attention): the
             // same tokens, log-probabilities as close.
             let mut dq = load_dispatched(&f, |d| d.dequantize_kv_reads = true);
             dq.kv_quantization = model.kv_quantization;
-            follows(
-                &dq,
-                &prompt,
-                p[3] as usize,
-                &r,
-                case,
-                &format!("{} {case} dequantized", f.name),
-            );
+            kv.follows(&dq, case, p[3] as usize, " dequantized");
             if case == "early" {
                 // Quantized keys change what the model computes: the
                 // comparison above is of the quantized path.
-                let (d, _) = max_diff(&got[0], &plain.1[0]);
-                assert!(
-                    d > 1e-3,
-                    "{}: 4-bit KV left the logits as they were",
-                    f.name
-                );
+                assert_moved(&got[0], &plain.1[0], &format!("{}: 4-bit KV", f.name));
             }
         }
         model.kv_quantization = None;
     }
 }
 
-/// `model`'s trace in mlx-lm's schedule against the reference `case` of
-/// `r`: greedy tokens equal, log-probabilities within 1e-4 of the largest at
-/// every step. Returns the log-probabilities.
-fn follows(
-    model: &Model,
-    prompt: &[i32],
-    step: usize,
-    r: &HashMap<String, Array>,
-    case: &str,
-    what: &str,
-) -> Vec<Vec<f32>> {
-    let want_tokens = ints(&r[&format!("{case}.tokens")]);
-    let want = to_f32(&r[&format!("{case}.logprobs")]);
-    let (got_tokens, got) = trace(model, prompt, step, want_tokens.len());
-    assert_eq!(got_tokens, want_tokens, "{what}: tokens");
-    let v = want.len() / got.len();
-    for (i, row) in got.iter().enumerate() {
-        let (d, scale) = max_diff(row, &want[i * v..(i + 1) * v]);
-        assert!(
-            d <= 1e-4 * scale.max(1.0),
-            "{what}: step {i} differs by {d}"
-        );
+/// Fails unless `got` moved away from the plain cache's `plain` (by more
+/// than 1e-3): the path compared is really the quantized or bounded one.
+fn assert_moved(got: &[f32], plain: &[f32], what: &str) {
+    let (d, _) = max_diff(got, plain);
+    assert!(d > 1e-3, "{what} left the logits as they were");
+}
+
+/// One fixture's mlx-lm reference for its KV cases: the prompt and the
+/// traces of `kv_reference` (`CASE.params`, `CASE.tokens`,
+/// `CASE.logprobs`).
+struct KvReference {
+    name: String,
+    prompt: Vec<i32>,
+    r: HashMap<String, Array>,
+}
+
+impl KvReference {
+    fn of(f: &Fixture) -> Self {
+        let path = fixtures_dir().join(f.kv_reference.as_ref().unwrap());
+        Self {
+            name: f.name.clone(),
+            prompt: reference(f).prompt.clone(),
+            r: Array::load_safetensors(path).unwrap(),
+        }
     }
-    got
+
+    /// `case`'s parameters.
+    fn params(&self, case: &str) -> Vec<i32> {
+        ints(&self.r[&format!("{case}.params")])
+    }
+
+    /// `model`'s trace (in mlx-lm's schedule, prefill steps of `step`)
+    /// against the reference `case`: greedy tokens equal, log-probabilities
+    /// within 1e-4 of the largest at every step. `form` names the model's
+    /// form in a failure. Returns the log-probabilities.
+    fn follows(&self, model: &Model, case: &str, step: usize, form: &str) -> Vec<Vec<f32>> {
+        let what = format!("{} {case}{form}", self.name);
+        let want_tokens = ints(&self.r[&format!("{case}.tokens")]);
+        let want = to_f32(&self.r[&format!("{case}.logprobs")]);
+        let (got_tokens, got) = trace(model, &self.prompt, step, want_tokens.len());
+        assert_eq!(got_tokens, want_tokens, "{what}: tokens");
+        let v = want.len() / got.len();
+        for (i, row) in got.iter().enumerate() {
+            let (d, scale) = max_diff(row, &want[i * v..(i + 1) * v]);
+            assert!(
+                d <= 1e-4 * scale.max(1.0),
+                "{what}: step {i} differs by {d}"
+            );
+        }
+        got
+    }
 }
 
 #[test]
 fn a_bounded_kv_window_follows_mlx_lm() {
     for f in fixtures().into_iter().filter(|f| f.kv_reference.is_some()) {
         let mut model = load(&f);
-        let prompt = reference(&f).prompt.clone();
-        let r: HashMap<String, Array> =
-            Array::load_safetensors(fixtures_dir().join(f.kv_reference.as_ref().unwrap())).unwrap();
-        let plain = trace(&model, &prompt, 2048, 1);
+        let kv = KvReference::of(&f);
+        let plain = trace(&model, &kv.prompt, 2048, 1);
         for case in ["window", "window_steps"] {
-            let p = ints(&r[&format!("{case}.params")]);
+            let p = kv.params(case);
             assert_eq!(
                 p[1] as usize,
                 mlex_core::cache::KV_WINDOW_KEEP,
@@ -167,33 +168,14 @@ fn a_bounded_kv_window_follows_mlx_lm() {
                 kinds.contains(&"rotating_kv") && !kinds.contains(&"kv"),
                 "{kinds:?}"
             );
-            let got = follows(
-                &model,
-                &prompt,
-                p[2] as usize,
-                &r,
-                case,
-                &format!("{} {case}", f.name),
-            );
+            let got = kv.follows(&model, case, p[2] as usize, "");
             // CUDA's form (masked attention as ops): as close.
             let mut ops = load_dispatched(&f, |d| d.masked_attention_ops = true);
             ops.max_kv_size = model.max_kv_size;
-            follows(
-                &ops,
-                &prompt,
-                p[2] as usize,
-                &r,
-                case,
-                &format!("{} {case} as ops", f.name),
-            );
+            kv.follows(&ops, case, p[2] as usize, " as ops");
             // The 16-token prompt overflows the window: what is compared is
             // the bounded path.
-            let (d, _) = max_diff(&got[0], &plain.1[0]);
-            assert!(
-                d > 1e-3,
-                "{}: the window left the logits as they were",
-                f.name
-            );
+            assert_moved(&got[0], &plain.1[0], &format!("{}: the window", f.name));
         }
         model.max_kv_size = None;
     }
@@ -212,7 +194,7 @@ fn a_group_that_does_not_divide_the_head_dim_names_the_option() {
         .forward_hidden(&tokens(&[1, 2, 3]), &mut cache)
         .expect_err("head dim 16 took groups of 32")
         .to_string();
-    assert!(e.contains("--kv-group-size") && e.contains("16"), "{e}");
+    assert_mentions(&e, &["--kv-group-size", "16"]);
     for (bits, group, what) in [(7, 64, "--kv-bits"), (4, 48, "--kv-group-size")] {
         let e = KvQuantization::new(bits, group, 0).unwrap_err().to_string();
         assert!(e.contains(what), "{e}");

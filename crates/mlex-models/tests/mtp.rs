@@ -22,10 +22,7 @@ fn close(name: &str, got: &Array, want: &Array) {
 fn mtp_heads_match_the_composed_reference() {
     let registry = mlex_models::registry().unwrap();
     let dispatch = mlex_models::dispatch().unwrap();
-    let with: Vec<Fixture> = fixtures()
-        .into_iter()
-        .filter(|f| f.mtp_reference.is_some())
-        .collect();
+    let with = fixtures_where(|f| f.mtp_reference.is_some());
     assert_eq!(
         with.len(),
         3,
@@ -113,7 +110,7 @@ fn mtp_asked_of_a_gguf_without_the_block_names_the_option_and_the_file() {
         .err()
         .expect("a GGUF without blk.N.nextn.* gave a head")
         .to_string();
-    assert!(e.contains("--mtp") && e.contains("model.gguf"), "{e}");
+    assert_mentions(&e, &["--mtp", "model.gguf"]);
     // The file that has the block loads it only when asked.
     let with = path_of(&fixture("gguf-qwen3_5-mtp-f32"));
     let m = load_with_mtp(with.to_str().unwrap(), registry, &dispatch, false).unwrap();

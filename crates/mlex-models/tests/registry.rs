@@ -5,6 +5,7 @@ use mlex_core::arch::{Architecture, ModelPlan};
 use mlex_core::config::ModelConfig;
 use mlex_core::error::{Error, Result};
 use mlex_core::registry::Registry;
+use mlex_testkit::assert_mentions;
 use std::sync::Arc;
 
 /// A second `llama`, registered only in this test binary.
@@ -66,7 +67,7 @@ fn adding_a_taken_layer_or_mixer_kind_name_is_an_error() {
     let mamba = || Arc::new(mlex_models::layers::mamba2::Mamba2Kind);
     r.add_mixer_kind(mamba(), "third").unwrap();
     let e = r.add_mixer_kind(mamba(), "fourth").unwrap_err().to_string();
-    assert!(e.contains("third") && e.contains("fourth"), "{e}");
+    assert_mentions(&e, &["third", "fourth"]);
     struct Named;
     impl mlex_core::layer::LayerKind for Named {
         fn name(&self) -> &'static str {
@@ -89,7 +90,7 @@ fn adding_a_taken_layer_or_mixer_kind_name_is_an_error() {
         .add_layer_kind(Arc::new(Named), "fifth")
         .unwrap_err()
         .to_string();
-    assert!(e.contains("third") && e.contains("fifth"), "{e}");
+    assert_mentions(&e, &["third", "fifth"]);
 }
 
 #[test]
@@ -105,7 +106,7 @@ fn unknown_names_list_what_is_registered() {
     let (file, text) = mlex_models::spec::BUILTIN[0];
     mlex_models::add_toml_architecture(&mut r, text, std::path::Path::new(file)).unwrap();
     let e = r.architecture("gpt9").err().unwrap().to_string();
-    assert!(e.contains("gpt9") && e.contains("llama"), "{e}");
+    assert_mentions(&e, &["gpt9", "llama"]);
     let e = r.layer_kind("fancy").err().unwrap().to_string();
     assert!(e.contains("unknown layer kind `fancy`"), "{e}");
 }

@@ -344,13 +344,15 @@ async fn generate(s: Arc<AppState>, headers: HeaderMap, body: Body, kind: Kind) 
         }
     };
     let n = s.next_id.fetch_add(1, Ordering::SeqCst);
-    let h = respond::Header::new(kind, n, s.cfg.model_id.clone());
-    let shape = prepared.shape;
-    if shape.stream {
-        respond::streamed(h, shape, in_reasoning, rx, slot)
-    } else {
-        respond::whole(h, shape, in_reasoning, rx, slot).await
+    respond::Answer {
+        header: respond::Header::new(kind, n, s.cfg.model_id.clone()),
+        shape: prepared.shape,
+        in_reasoning,
+        rx,
+        slot,
     }
+    .respond()
+    .await
 }
 
 async fn chat(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {

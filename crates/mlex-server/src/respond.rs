@@ -217,14 +217,31 @@ fn engine_stopped() -> Response {
     )
 }
 
+/// One request's answer: who answers, its shape, whether the prompt left
+/// the model inside a reasoning block, the engine's events and the slot the
+/// request holds until it is done.
+pub struct Answer {
+    pub header: Header,
+    pub shape: Shape,
+    pub in_reasoning: bool,
+    pub rx: tmpsc::UnboundedReceiver<Event>,
+    pub slot: Slot,
+}
+
+impl Answer {
+    /// The answer as the request asked: server-sent events or one body.
+    pub async fn respond(self) -> Response {
+        match self.shape.stream {
+            true => streamed(self),
+            false => whole(self).await,
+        }
+    }
+}
+
 /// The whole answer as one JSON body.
-pub async fn whole(
-    h: Header,
-    shape: Shape,
-    in_reasoning: bool,
-    mut rx: tmpsc::UnboundedReceiver<Event>,
-    slot: Slot,
-) -> Response {
+async fn whole(a: Answer) -> Response {
+    let in_reasoning = a.in_reasoning;
+    let (h, shape, mut rx, slot) = (a.header, a.shape, a.rx, a.slot);
     let mut shaper = Shaper::new(&shape, in_reasoning);
     let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
     let mut lps: Vec<LogprobOut> = Vec::new();
@@ -369,13 +386,9 @@ impl Chunks {
 }
 
 /// The answer as server-sent events.
-pub fn streamed(
-    h: Header,
-    shape: Shape,
-    in_reasoning: bool,
-    mut rx: tmpsc::UnboundedReceiver<Event>,
-    slot: Slot,
-) -> Response {
+fn streamed(a: Answer) -> Response {
+    let in_reasoning = a.in_reasoning;
+    let (h, shape, mut rx, slot) = (a.header, a.shape, a.rx, a.slot);
     let (out, out_rx) = tmpsc::channel::<std::result::Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
         let _slot = slot;

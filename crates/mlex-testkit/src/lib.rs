@@ -16,6 +16,20 @@ use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// The f32 fixtures of the first seven families, one of each mixer and
+/// feed-forward they combine (attention, gated delta, Mamba2, canon
+/// convolutions; dense and mixture-of-experts): what a test runs on when it
+/// must cover every kind and not every family.
+pub const EACH_KIND_F32: [&str; 7] = [
+    "llama-f32",
+    "qwen3-f32",
+    "qwen3_moe-f32",
+    "qwen3_next-f32",
+    "qwen3_5-f32",
+    "nemotron_h-f32",
+    "dhara-f32",
+];
+
 /// One manifest entry.
 #[derive(Clone, Debug, Deserialize)]
 pub struct Fixture {
@@ -135,6 +149,11 @@ pub fn tools_fixture() -> PathBuf {
     dir
 }
 
+/// The fixtures `keep` takes, in the manifest's order.
+pub fn fixtures_where(keep: impl Fn(&Fixture) -> bool) -> Vec<Fixture> {
+    fixtures().into_iter().filter(|f| keep(f)).collect()
+}
+
 /// The fixture called `name` (see [`fixtures`]).
 pub fn fixture(name: &str) -> Fixture {
     fixtures()
@@ -199,6 +218,22 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
         m = m.max(y.abs());
     }
     (d, m)
+}
+
+/// Asserts `text` (an error message, a command's output) contains every
+/// one of `needles`, showing the text otherwise.
+#[track_caller]
+pub fn assert_mentions(text: &str, needles: &[&str]) {
+    let missing: Vec<&&str> = needles.iter().filter(|n| !text.contains(**n)).collect();
+    assert!(missing.is_empty(), "{missing:?} not in: {text}");
+}
+
+/// Asserts `a` and `b` differ by at most `rel` times the largest magnitude
+/// of `b` (at least 1), naming `what` and both numbers otherwise.
+#[track_caller]
+pub fn assert_close(a: &[f32], b: &[f32], rel: f32, what: &str) {
+    let (d, m) = max_diff(a, b);
+    assert!(d <= rel * m.max(1.0), "{what} differ by {d} (largest {m})");
 }
 
 pub fn argmax(row: &[f32]) -> i32 {
@@ -302,15 +337,11 @@ pub fn copy_with_config(
 /// `n` deterministic pseudo-random token ids in `[0, vocab)`, one stream
 /// per `seed`.
 pub fn random_ids(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect()
+    mlex_core::ids::lcg_ids(
+        seed.wrapping_mul(0x9e3779b97f4a7c15) | 1,
+        n,
+        u64::from(vocab),
+    )
 }
 
 /// The gap between the two largest logits after `prefix` (one full forward

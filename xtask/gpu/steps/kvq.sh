@@ -42,16 +42,9 @@ for p in $LENS; do
     done
   done
 done
-python3 - "$J" <<'PY'
-import json, sys, statistics as st
-rows = {}
-for l in open(sys.argv[1]):
-    v = json.loads(l)
-    rows.setdefault((v["prompt_len"], v["kv"], v["engine"]), []).append(v)
-print("| prompt | kv | engine | peak MB | prefill tok/s | decode tok/s | runs |")
-print("|---|---|---|---|---|---|---|")
+medians "$J" "prompt_len kv engine" "prompt | kv | engine | peak MB | prefill tok/s | decode tok/s | runs" <<'PY'
 for (p, kv, e), vs in sorted(rows.items()):
-    med = lambda k: st.median(x[k] for x in vs)
-    print(f"| {p} | {kv} | {e} | {med('peak_memory_bytes') / 1e6:,.0f} | {med('prefill_tok_s'):,.0f} | {med('decode_tok_s'):,.1f} | "
+    print(f"| {p} | {kv} | {e} | {med(vs, 'peak_memory_bytes') / 1e6:,.0f} | {med(vs, 'prefill_tok_s'):,.0f} | "
+          f"{med(vs, 'decode_tok_s'):,.1f} | "
           f"{len(vs)} (decode {min(x['decode_tok_s'] for x in vs):.0f}-{max(x['decode_tok_s'] for x in vs):.0f}) |")
 PY

@@ -23,16 +23,9 @@ for _ in $(seq "$PAIRS"); do
       echo "FAILED chunk $c"
   done
 done
-python3 - "$J" <<'PY'
-import json, sys, statistics as st
-rows = {}
-for l in open(sys.argv[1]):
-    v = json.loads(l)
-    rows.setdefault(v["chunk"], []).append(v)
-print("| prefill step | peak MB | prefill tok/s | decode tok/s | runs |")
-print("|---|---|---|---|---|")
-for c, vs in sorted(rows.items()):
-    med = lambda k: st.median(x[k] for x in vs)
-    print(f"| {c} | {med('peak_memory_bytes') / 1e6:,.0f} | {med('prefill_tok_s'):,.0f} "
-          f"({min(x['prefill_tok_s'] for x in vs):,.0f}-{max(x['prefill_tok_s'] for x in vs):,.0f}) | {med('decode_tok_s'):,.1f} | {len(vs)} |")
+medians "$J" chunk "prefill step | peak MB | prefill tok/s | decode tok/s | runs" <<'PY'
+for (c,), vs in sorted(rows.items()):
+    print(f"| {c} | {med(vs, 'peak_memory_bytes') / 1e6:,.0f} | {med(vs, 'prefill_tok_s'):,.0f} "
+          f"({min(x['prefill_tok_s'] for x in vs):,.0f}-{max(x['prefill_tok_s'] for x in vs):,.0f}) | "
+          f"{med(vs, 'decode_tok_s'):,.1f} | {len(vs)} |")
 PY

@@ -61,6 +61,14 @@ fn seen(c: &BatchKvCache, r: usize) -> Vec<f32> {
         .collect()
 }
 
+/// A verify window: the columns `rows` written, then `drop[r]` of them
+/// taken back from row `r`.
+fn window(c: &mut BatchKvCache, rows: &[&[f32]], drop: &[usize]) {
+    let w = columns(rows);
+    c.update_and_fetch(&w, &w).unwrap();
+    c.trim_rows(drop).unwrap();
+}
+
 fn columns(rows: &[&[f32]]) -> Array {
     // [rows, 1, T, 2]: each value twice (the head size is 2).
     let t = rows[0].len();
@@ -94,9 +102,7 @@ fn rows_keep_their_own_accepted_prefix_of_a_verified_window() {
     );
     // A second window: row 1 keeps 2 of 2, row 0 keeps 1; the holes of
     // row 1 stay hidden, the new ones of row 0 too.
-    let w = columns(&[&[20., 21.], &[120., 121.]]);
-    c.update_and_fetch(&w, &w).unwrap();
-    c.trim_rows(&[1, 0]).unwrap();
+    window(&mut c, &[&[20., 21.], &[120., 121.]], &[1, 0]);
     assert_eq!(
         (c.row_len(0), c.row_len(1), c.holes(0), c.holes(1)),
         (6, 6, 1, 2)
@@ -110,9 +116,7 @@ fn rows_keep_their_own_accepted_prefix_of_a_verified_window() {
         [100., 101., 102., 103., 104., 105., 110., 110., 120., 120., 121., 121.]
     );
     // Both drop the same count: no new holes, the shared column goes back.
-    let w = columns(&[&[30., 31.], &[130., 131.]]);
-    c.update_and_fetch(&w, &w).unwrap();
-    c.trim_rows(&[1, 1]).unwrap();
+    window(&mut c, &[&[30., 31.], &[130., 131.]], &[1, 1]);
     assert_eq!(
         (c.holes(0), c.holes(1), c.row_len(0), c.row_len(1)),
         (1, 2, 7, 7)
@@ -152,9 +156,11 @@ fn many_holes_are_squeezed_out_and_a_bad_count_is_refused() {
     let mut want1 = vec![100f32, 101.];
     for i in 0..SQUEEZE_MIN_HOLES {
         let v = i as f32;
-        let w = columns(&[&[1000. + v, 1001. + v], &[2000. + v, 2001. + v]]);
-        c.update_and_fetch(&w, &w).unwrap();
-        c.trim_rows(&[0, 1]).unwrap();
+        window(
+            &mut c,
+            &[&[1000. + v, 1001. + v], &[2000. + v, 2001. + v]],
+            &[0, 1],
+        );
         want1.extend([2000. + v, 2000. + v]);
     }
     // Row 1 reached the squeeze rule's count; it was squeezed.
@@ -185,9 +191,7 @@ fn a_window_past_the_buffers_end_masks_the_holes_it_had_and_none_beyond() {
     let len = KV_STEP - 5;
     c.write_row(0, &seq(len, 0.0), &seq(len, 0.0)).unwrap();
     c.write_row(1, &seq(len, 0.0), &seq(len, 0.0)).unwrap();
-    let w = columns(&[&[1., 2., 3.], &[4., 5., 6.]]);
-    c.update_and_fetch(&w, &w).unwrap();
-    c.trim_rows(&[0, 2]).unwrap();
+    window(&mut c, &[&[1., 2., 3.], &[4., 5., 6.]], &[0, 2]);
     assert_eq!(
         (c.columns(), c.holes(1), c.capacity()),
         (KV_STEP - 2, 2, KV_STEP)

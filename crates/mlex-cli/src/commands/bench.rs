@@ -18,15 +18,8 @@ fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
 
 /// Deterministic pseudo-random ids in `[0, vocab)`, one stream per seed.
 fn prompt_ids_seeded(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut s: u64 = 0x9e3779b97f4a7c15 ^ seed.wrapping_mul(0xbf58476d1ce4e5b9);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect()
+    let state = 0x9e3779b97f4a7c15 ^ seed.wrapping_mul(0xbf58476d1ce4e5b9);
+    mlex_core::ids::lcg_ids(state, n, vocab as u64)
 }
 
 pub fn run(a: BenchArgs, registry: &Registry) -> Result<()> {
@@ -262,11 +255,7 @@ fn run_draft_acceptance(
     }
     g.speculative = None;
     let ratios: Vec<f64> = spec.iter().zip(&plain).map(|(s, p)| s / p).collect();
-    let out = json!({
-        "model": a.model.model,
-        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
-        "arch": arch,
-        "compiled": g.is_compiled(),
+    let fields = json!({
         "prompt_tokens": prompt.len(),
         "generated_tokens": a.gen,
         "draft_tokens": k,
@@ -280,6 +269,7 @@ fn run_draft_acceptance(
         "speculative": last.as_ref().map(super::generate::speculative_json),
         "runs_equal_to_plain": same,
     });
+    let out = report(a, arch, g, fields)?;
     println!("{out}");
     Ok(())
 }
@@ -333,16 +323,13 @@ fn run_verify_cost(a: &BenchArgs, g: &mut Generator, arch: &str, prompt: &[u32])
         let s = time(&mut run)?;
         rows.push(json!({"tokens": t, "verify_s": s, "cost_in_steps": s / step_s}));
     }
-    let out = json!({
-        "model": a.model.model,
-        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
-        "arch": arch,
-        "compiled": g.is_compiled(),
+    let fields = json!({
         "prompt_tokens": prompt.len(),
         "decode_step_s": step_s,
         "verify": rows,
         "peak_memory_bytes": mlex_core::device::peak_memory()?,
     });
+    let out = report(a, arch, g, fields)?;
     println!("{out}");
     Ok(())
 }
@@ -464,7 +451,6 @@ fn run_shared_prefix(
     let cold = median_range(pairs.iter().map(|p| p.cold_s).collect());
     let warm = median_range(pairs.iter().map(|p| p.warm_s).collect());
     let p = &pairs[0];
-    let info = mlex_core::device::runtime_info()?;
     if a.format == Format::Text {
         println!("model          {} ({arch})", a.model.model);
         println!(
@@ -486,13 +472,7 @@ fn run_shared_prefix(
             p.snapshots
         );
     }
-    let out = json!({
-        "model": a.model.model,
-        "memory": mlex_core::device::MemoryReport::now()?.to_json(),
-        "arch": arch,
-        "device": info.default_device,
-        "backend": info.backend.to_string(),
-        "dispatch": g.model.dispatch.to_json(),
+    let fields = json!({
         "prompt_tokens": a.prompt_len,
         "shared_tokens": shared,
         "reused_tokens": p.reused,
@@ -505,6 +485,7 @@ fn run_shared_prefix(
         "checkpoint_bytes": p.snapshot_bytes,
         "checkpoints": p.snapshots,
     });
+    let out = report(a, arch, g, fields)?;
     if a.format == Format::Json {
         println!("{out}");
     }

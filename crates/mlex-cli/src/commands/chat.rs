@@ -16,13 +16,7 @@ pub fn run(a: ChatArgs, registry: &Registry) -> Result<()> {
     let vocab = loaded.model.vocab_size() as usize;
     let tokenizer = tokenizer_for(&loaded)?;
     let opts = generate_options(&a.sampling, Some(&tokenizer), vocab)?;
-    let (mut generator, cache_file) = crate::session::decoder(
-        loaded,
-        &a.model,
-        &a.speculative,
-        registry,
-        a.prompt_cache.as_deref(),
-    )?;
+    let (mut generator, cache_file) = crate::session::decoder(loaded, &a, registry)?;
     let shard = generator.model.dispatch.tensor_parallel.clone();
     let interactive = std::io::stdin().is_terminal();
     let json = a.format == Format::Json;

@@ -17,13 +17,7 @@ pub fn run(a: GenerateArgs, registry: &Registry) -> Result<()> {
     };
     let prompt = prompt_ids(&a, tokenizer.as_ref())?;
     let opts = generate_options(&a.sampling, tokenizer.as_ref(), vocab)?;
-    let (mut generator, cache_file) = crate::session::decoder(
-        loaded,
-        &a.model,
-        &a.speculative,
-        registry,
-        a.prompt_cache.as_deref(),
-    )?;
+    let (mut generator, cache_file) = crate::session::decoder(loaded, &a, registry)?;
     let stream = a.format == Format::Text;
     let mut text_stream = tokenizer
         .as_ref()

@@ -80,6 +80,25 @@ pub fn post(s: &Server, path: &str, key: Option<&str>, body: &Value) -> (u16, Va
     )
 }
 
+/// `bodies` posted to `/v1/chat/completions` at once, each answered 200:
+/// the answers, in order.
+pub fn chat_all(s: &Server, bodies: &[Value]) -> Vec<Value> {
+    std::thread::scope(|sc| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| sc.spawn(move || post(s, "/v1/chat/completions", None, b)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                let (code, v) = h.join().unwrap();
+                assert_eq!(code, 200, "{v}");
+                v
+            })
+            .collect()
+    })
+}
+
 /// Posts `body` over a bare TCP connection. The body is written from its
 /// own thread and a failed write is ignored: a server may answer a body over
 /// its limit (413) and close before the client has sent it all, which is
@@ -166,6 +185,12 @@ pub fn events(mut r: impl BufRead) -> Vec<Value> {
         }
         out.push(serde_json::from_str(data).unwrap());
     }
+}
+
+/// The `finish_reason` of a stream's last event with a choice.
+pub fn finish_reason(evs: &[Value]) -> Value {
+    let last = evs.iter().rev().find(|e| e["choices"].get(0).is_some());
+    last.expect("an event with a choice")["choices"][0]["finish_reason"].clone()
 }
 
 /// The text of one `delta` field (`content`, `reasoning_content`) across

@@ -30,6 +30,17 @@ impl ModelCache {
         self.layers.iter().flatten().map(|c| c.nbytes()).sum()
     }
 
+    /// True when some cache holds fixed-size (recurrent) state rather than
+    /// growing with the tokens.
+    pub fn has_fixed_state(&self) -> bool {
+        self.layers.iter().flatten().any(|c| !c.grows())
+    }
+
+    /// True when some cache is of `kind` (a [`crate::cache::Cache::kind`]).
+    pub fn holds_kind(&self, kind: &str) -> bool {
+        self.layers.iter().flatten().any(|c| c.kind() == kind)
+    }
+
     /// True when every cache can drop tokens exactly (no recurrent state).
     pub fn is_trimmable(&self) -> bool {
         self.layers.iter().flatten().all(|c| c.is_trimmable())

@@ -260,6 +260,13 @@ impl GgufSpec {
         }
         if let Some(m) = &e.minus {
             let (x, d) = (v.as_i64().unwrap_or(0), other(m).unwrap_or(0.0) as i64);
+            // A negative count taken away would add blocks the file lacks.
+            if d < 0 {
+                return Err(bad(
+                    meta.path,
+                    format!("metadata `{}` ({d}) must not be negative", self.key_of(m)),
+                ));
+            }
             if x - d < 1 {
                 return Err(bad(
                     meta.path,

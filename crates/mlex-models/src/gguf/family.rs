@@ -357,6 +357,25 @@ mod tests {
     }
 
     #[test]
+    fn a_malformed_gguf_table_names_the_rule_and_what_it_takes() {
+        let spec = |rule: &str| {
+            let text = format!(
+                "architecture = \"x\"\nnames = \"llama\"\n[config]\n[tensors.\"ssm_in.weight\"]\n{rule}\n"
+            );
+            GgufSpec::deserialize(toml::from_str::<toml::Value>(&text).unwrap())
+                .err()
+                .map(|e| e.to_string())
+        };
+        assert_eq!(spec("how = \"conv\""), None);
+        let e = spec("how = \"twist\"").expect("an unknown `how`");
+        assert!(e.contains("twist") && e.contains("keep"), "{e}");
+        let e = spec("into = \"gate\"").expect("`into` takes a list");
+        assert!(e.contains("sequence"), "{e}");
+        let e = spec("split_by = \"halves\"").expect("an unknown key");
+        assert!(e.contains("split_by"), "{e}");
+    }
+
+    #[test]
     fn hybrid_metadata_that_does_not_add_up_names_the_keys() {
         let e = config_of(
             "qwen35",
@@ -376,6 +395,16 @@ mod tests {
         .to_string();
         assert!(
             e.contains("`qwen35.block_count` (6) must exceed `qwen35.nextn_predict_layers` (6)"),
+            "{e}"
+        );
+        let e = config_of(
+            "qwen35",
+            &qwen35(&[("nextn_predict_layers", MetaValue::Int(-1))]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`qwen35.nextn_predict_layers` (-1) must not be negative"),
             "{e}"
         );
     }

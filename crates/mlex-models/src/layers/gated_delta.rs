@@ -244,6 +244,13 @@ impl GatedDelta {
             value_dim: self.dv,
         };
         let (a_log, dt_bias) = (p.get(self.a_log)?, p.get(self.dt_bias)?);
+        let whole = gated_delta::LayerInputs {
+            conv: &conv_out,
+            a: &a,
+            b: &b,
+            a_log,
+            dt_bias,
+        };
         let dispatch = &self.dispatch;
         let fused = dispatch.fused_decode && gated_delta::fused_decode_supported(heads);
         let out = if fused && (len == 1 || state.keeps_positions()) {
@@ -251,9 +258,7 @@ impl GatedDelta {
             // verify run's tokens in one launch of the same kernel, which
             // keeps the state after each position: the one decode reaches.
             let keep_all = state.keeps_positions();
-            let (y, states) = gated_delta::steps_fused(
-                &conv_out, &a, &b, a_log, dt_bias, &state[1], heads, keep_all,
-            )?;
+            let (y, states) = gated_delta::steps_fused(whole, &state[1], heads, keep_all)?;
             state.set_positions(1, states)?;
             y
         } else if len == 1 || state.keeps_positions() {
@@ -269,15 +274,14 @@ impl GatedDelta {
                         x.try_index((.., t..t + 1))?
                     })
                 };
-                let (y, next) = gated_delta::decode_ops(
-                    &at(&conv_out)?,
-                    &at(&a)?,
-                    &at(&b)?,
-                    a_log,
-                    dt_bias,
-                    &s,
-                    heads,
-                )?;
+                let (conv, a, b) = (at(&conv_out)?, at(&a)?, at(&b)?);
+                let x = gated_delta::LayerInputs {
+                    conv: &conv,
+                    a: &a,
+                    b: &b,
+                    ..whole
+                };
+                let (y, next) = gated_delta::decode_ops(x, &s, heads)?;
                 ys.push(y);
                 after.push(next.clone());
                 s = next;
@@ -289,7 +293,7 @@ impl GatedDelta {
                 ops::concatenate(&ys, 1)?
             }
         } else {
-            let prepared = gated_delta::prepare(&conv_out, &a, &b, a_log, dt_bias, heads)?;
+            let prepared = gated_delta::prepare(whole, heads)?;
             let method = gated_delta_method(dispatch, len as usize);
             let chunk = match method {
                 gated_delta::Method::Chunked { chunk } => Some(chunk),
@@ -350,15 +354,9 @@ impl Mixer for GatedDelta {
 
     fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         let conv_dim = 2 * self.nk * self.dk + self.nv * self.dv;
-        Ok(vec![Box::new(StateCache::gated_delta(
-            batch,
-            self.kernel,
-            conv_dim,
-            self.nv,
-            self.dv,
-            self.dk,
-            dtype,
-        )?)])
+        let state = [self.nv, self.dv, self.dk];
+        let c = StateCache::recurrent("gated_delta", batch, (self.kernel, conv_dim), state, dtype)?;
+        Ok(vec![Box::new(c)])
     }
 
     fn before_cache(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Carry> {

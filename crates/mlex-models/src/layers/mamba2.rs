@@ -429,15 +429,9 @@ impl Mixer for Mamba2 {
 
     fn make_caches(&self, batch: usize, dtype: Dtype) -> Result<Vec<Box<dyn Cache>>> {
         let conv_dim = self.heads * self.head_dim + 2 * self.groups * self.state_dim;
-        Ok(vec![Box::new(StateCache::mamba2(
-            batch,
-            self.kernel,
-            conv_dim,
-            self.heads,
-            self.head_dim,
-            self.state_dim,
-            dtype,
-        )?)])
+        let state = [self.heads, self.head_dim, self.state_dim];
+        let c = StateCache::recurrent("mamba2", batch, (self.kernel, conv_dim), state, dtype)?;
+        Ok(vec![Box::new(c)])
     }
 
     fn before_cache(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Carry> {

@@ -159,7 +159,7 @@ impl KvAccess for KvCache {
 }
 
 impl Cache for KvCache {
-    kv_cache_basics!("kv", offset);
+    kv_cache_basics!("kv", offset, trimmable);
     fn with_max_kv_size(&self, max: usize) -> Option<Box<dyn Cache>> {
         Some(Box::new(RotatingKvCache::new(max, KV_WINDOW_KEEP)))
     }
@@ -168,9 +168,6 @@ impl Cache for KvCache {
             self.clone(),
             q,
         )))
-    }
-    fn is_trimmable(&self) -> bool {
-        true
     }
     fn trim(&mut self, n: usize) -> usize {
         let n = n.min(self.offset);
@@ -219,10 +216,7 @@ impl KvAccess for ConcatKvCache {
 }
 
 impl Cache for ConcatKvCache {
-    kv_cache_basics!("concat_kv", offset);
-    fn is_trimmable(&self) -> bool {
-        true
-    }
+    kv_cache_basics!("concat_kv", offset, trimmable);
     fn trim(&mut self, n: usize) -> usize {
         let n = n.min(self.offset);
         self.offset -= n;

@@ -16,8 +16,15 @@
 
 /// The [`mlex_core::cache::Cache`] methods every key/value cache has alike:
 /// its kind's name, its offset (the field named), that it grows, and its
-/// [`mlex_core::cache::KvAccess`].
+/// [`mlex_core::cache::KvAccess`]; with `trimmable`, that it can always
+/// drop tokens.
 macro_rules! kv_cache_basics {
+    ($kind:literal, $offset:ident, trimmable) => {
+        kv_cache_basics!($kind, $offset);
+        fn is_trimmable(&self) -> bool {
+            true
+        }
+    };
     ($kind:literal, $offset:ident) => {
         fn kind(&self) -> &'static str {
             $kind

@@ -259,10 +259,7 @@ impl KvAccess for QuantizedKvCache {
 }
 
 impl Cache for QuantizedKvCache {
-    kv_cache_basics!("quantized_kv", offset);
-    fn is_trimmable(&self) -> bool {
-        true
-    }
+    kv_cache_basics!("quantized_kv", offset, trimmable);
     fn trim(&mut self, n: usize) -> usize {
         let n = match self.dense.as_mut() {
             Some(d) => d.trim(n),

@@ -111,14 +111,20 @@ proptest! {
     }
 }
 
+/// A cache holding `tokens` random keys and values of 8 heads of 64 (the
+/// random key `seed`), the inputs dropped.
+fn filled(tokens: i32, seed: u64) -> KvCache {
+    let mut kv = KvCache::new();
+    let key = random::key(seed).unwrap();
+    let k = random::normal::<f32>(&[1, 8, tokens, 64], None, None, &key).unwrap();
+    kv.update_and_fetch(&k, &k).unwrap();
+    kv
+}
+
 #[test]
 fn appending_one_token_never_copies_the_cache() {
-    let mut kv = KvCache::new();
-    let key = random::key(11).unwrap();
     // 8k tokens, then room for more: capacity 8192 + 256.
-    let k = random::normal::<f32>(&[1, 8, 8000, 64], None, None, &key).unwrap();
-    kv.update_and_fetch(&k, &k).unwrap();
-    drop(k);
+    let mut kv = filled(8000, 11);
     mlx_rs::transforms::eval(kv.to_tensors().arrays.values()).unwrap();
     let size = Cache::nbytes(&kv);
     mlex_core::device::reset_peak_memory().unwrap();
@@ -214,13 +220,9 @@ fn state_caches_hold_f32_recurrent_state_and_reject_shape_changes() {
 #[test]
 fn cloning_caches_shares_memory() {
     // An 8k-token cache; a clone must not allocate a second copy.
-    let mut kv = KvCache::new();
-    let key = random::key(9).unwrap();
-    let k = random::normal::<f32>(&[1, 8, 8192, 64], None, None, &key).unwrap();
-    kv.update_and_fetch(&k, &k).unwrap();
+    let kv = filled(8192, 9);
     let mut caches: Vec<Box<dyn Cache>> = vec![Box::new(kv)];
     mlx_rs::transforms::eval(caches[0].to_tensors().arrays.values()).unwrap();
-    drop(k);
     let before = mlex_core::device::active_memory().unwrap();
     let copies: Vec<Vec<Box<dyn Cache>>> = (0..10).map(|_| caches.clone()).collect();
     for c in &copies {

@@ -8,6 +8,21 @@ use common::{assert_kept_state, assert_on_cuda, assert_step_close, normal};
 use mlex_kernels::mamba2::{self, Params, Shape};
 use mlx_rs::{ops, Array, Dtype};
 
+/// Random `dt_bias`, `A_log` and `D` of `h` heads, from seeds `seed`,
+/// `seed + 1` and `seed + 2`.
+fn weights(h: i32, seed: u64) -> (Array, Array, Array) {
+    (
+        normal(&[h], seed),
+        normal(&[h], seed + 1),
+        normal(&[h], seed + 2),
+    )
+}
+
+/// The kernel's view of [`weights`].
+fn params((dt_bias, a_log, d): &(Array, Array, Array)) -> Params<'_> {
+    Params { dt_bias, a_log, d }
+}
+
 #[test]
 #[ignore = "needs the CUDA backend: run on the GPU machine with --ignored"]
 fn fused_decode_equals_ops_on_cuda() {
@@ -32,12 +47,8 @@ fn fused_decode_equals_ops_on_cuda() {
         for dtype in [Dtype::Float32, Dtype::Bfloat16] {
             let (b, h) = (2, shape.heads);
             let cast = |x: Array| x.as_dtype(dtype).unwrap();
-            let (dt_bias, a_log, d) = (normal(&[h], 1), normal(&[h], 2), normal(&[h], 3));
-            let p = Params {
-                dt_bias: &dt_bias,
-                a_log: &a_log,
-                d: &d,
-            };
+            let w = weights(h, 1);
+            let p = params(&w);
             let mut s0 = normal(&[b, h, shape.head_dim, shape.state_dim], 4);
             let mut s1 = s0.clone();
             for t in 0..4 {
@@ -136,12 +147,8 @@ fn a_custom_kernel_launch_errs_without_cuda_and_runs_with_it() {
         state_dim: 32,
         dt_limit: (0.0, f32::INFINITY),
     };
-    let (dt_bias, a_log, d) = (normal(&[4], 1), normal(&[4], 2), normal(&[4], 3));
-    let p = Params {
-        dt_bias: &dt_bias,
-        a_log: &a_log,
-        d: &d,
-    };
+    let w = weights(4, 1);
+    let p = params(&w);
     let state = normal(&[1, 4, 16, 32], 4);
     let conv = normal(&[1, 1, shape.conv_dim()], 5);
     let dt = normal(&[1, 1, 4], 6);
@@ -177,12 +184,8 @@ fn fused_steps_keep_every_state_on_cuda() {
         for t in [1, 4, 7] {
             let (b, h) = (2, shape.heads);
             let cast = |x: Array| x.as_dtype(dtype).unwrap();
-            let (dt_bias, a_log, d) = (normal(&[h], 51), normal(&[h], 52), normal(&[h], 53));
-            let p = Params {
-                dt_bias: &dt_bias,
-                a_log: &a_log,
-                d: &d,
-            };
+            let w = weights(h, 51);
+            let p = params(&w);
             let s0 = normal(&[b, h, shape.head_dim, shape.state_dim], 54);
             let conv = cast(normal(&[b, t, shape.conv_dim()], 55));
             let dt = cast(normal(&[b, t, h], 56));

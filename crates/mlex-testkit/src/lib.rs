@@ -387,8 +387,9 @@ pub fn assert_same_but_near_ties(
 pub trait RunExt {
     /// Runs it, asserts that it succeeded, and returns its stdout.
     fn ok_stdout(&mut self) -> Vec<u8>;
-    /// Runs it, asserts that it failed, and returns its stderr.
-    fn failed_stderr(&mut self) -> Vec<u8>;
+    /// Runs it, asserts that it failed, and returns its stderr (invalid
+    /// UTF-8 replaced).
+    fn failed_stderr(&mut self) -> String;
 }
 
 impl RunExt for assert_cmd::Command {
@@ -396,7 +397,7 @@ impl RunExt for assert_cmd::Command {
         self.assert().success().get_output().stdout.clone()
     }
 
-    fn failed_stderr(&mut self) -> Vec<u8> {
-        self.assert().failure().get_output().stderr.clone()
+    fn failed_stderr(&mut self) -> String {
+        String::from_utf8_lossy(&self.assert().failure().get_output().stderr).into_owned()
     }
 }

@@ -95,24 +95,27 @@ struct Meta<'a> {
 }
 
 impl Meta<'_> {
+    /// Metadata `key` as `T` (`as_t` of its value), `None` when absent, or
+    /// an error naming the key as not `a_t`.
+    fn typed<T>(
+        &self,
+        key: &str,
+        a_t: &str,
+        as_t: impl Fn(&MetaValue) -> Option<T>,
+    ) -> Result<Option<T>> {
+        let Some(v) = self.meta.get(key) else {
+            return Ok(None);
+        };
+        let v = as_t(v).ok_or_else(|| bad(self.path, format!("metadata `{key}` is not {a_t}")))?;
+        Ok(Some(v))
+    }
+
     fn f64(&self, key: &str) -> Result<Option<f64>> {
-        self.meta
-            .get(key)
-            .map(|v| {
-                v.as_f64()
-                    .ok_or_else(|| bad(self.path, format!("metadata `{key}` is not a number")))
-            })
-            .transpose()
+        self.typed(key, "a number", MetaValue::as_f64)
     }
 
     fn i64(&self, key: &str) -> Result<Option<i64>> {
-        self.meta
-            .get(key)
-            .map(|v| {
-                v.as_i64()
-                    .ok_or_else(|| bad(self.path, format!("metadata `{key}` is not an integer")))
-            })
-            .transpose()
+        self.typed(key, "an integer", MetaValue::as_i64)
     }
 
     fn ints(&self, key: &str) -> Result<Vec<i32>> {

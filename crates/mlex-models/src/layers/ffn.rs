@@ -239,6 +239,19 @@ impl Ffn {
     /// Loads the block under `prefix`.
     pub fn load(ld: &mut WeightLoader, prefix: &str, s: &FfnSpec) -> Result<Self> {
         let path = |n: &str| format!("{prefix}.{n}");
+        // A mixture's shared expert, a dense feed-forward of `kind` at
+        // `name`, when the mixture has one.
+        let shared_expert = |ld: &mut WeightLoader, kind, name: &str| -> Result<Option<Box<Ffn>>> {
+            if s.shared_intermediate <= 0 {
+                return Ok(None);
+            }
+            let spec = FfnSpec {
+                kind,
+                intermediate: s.shared_intermediate,
+                ..s.clone()
+            };
+            Ok(Some(Box::new(Ffn::load(ld, &path(name), &spec)?)))
+        };
         // Under --tp an MLP's inner width is split: gate/up by their
         // output rows, down by its input columns (one sum over ranks).
         // Experts split the same way: each keeps its part of every
@@ -279,18 +292,12 @@ impl Ffn {
             FfnKind::QwenMoe => {
                 let e = s.experts;
                 let m = moe_inner;
-                let shared = if s.shared_intermediate > 0 {
-                    let spec = FfnSpec {
-                        kind: FfnKind::Swiglu,
-                        intermediate: s.shared_intermediate,
-                        ..s.clone()
-                    };
-                    Some((
-                        Box::new(Ffn::load(ld, &path("shared_expert"), &spec)?),
+                let shared = match shared_expert(ld, FfnKind::Swiglu, "shared_expert")? {
+                    Some(ffn) => Some((
+                        ffn,
                         Linear::load(ld, &path("shared_expert_gate"), s.hidden, 1, false)?,
-                    ))
-                } else {
-                    None
+                    )),
+                    None => None,
                 };
                 Ffn::QwenMoe(QwenMoe {
                     gate: Linear::load(ld, &path("gate"), s.hidden, e, false)?,
@@ -312,16 +319,7 @@ impl Ffn {
             FfnKind::NemotronMoe => {
                 let e = s.experts;
                 let m = moe_inner;
-                let shared = if s.shared_intermediate > 0 {
-                    let spec = FfnSpec {
-                        kind: FfnKind::Relu2,
-                        intermediate: s.shared_intermediate,
-                        ..s.clone()
-                    };
-                    Some(Box::new(Ffn::load(ld, &path("shared_experts"), &spec)?))
-                } else {
-                    None
-                };
+                let shared = shared_expert(ld, FfnKind::Relu2, "shared_experts")?;
                 Ffn::NemotronMoe(NemotronMoe {
                     gate_weight: ld.take(&path("gate.weight"), &[e, s.hidden])?,
                     correction_bias: ld.take(&path("gate.e_score_correction_bias"), &[e])?,

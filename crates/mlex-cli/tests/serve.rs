@@ -200,6 +200,16 @@ fn chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx() {
     }
 }
 
+/// Polls `/metrics` (at most a minute) until `name` reaches `at_least`,
+/// failing with `never` otherwise.
+fn await_metric(s: &Server, name: &str, at_least: f64, never: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(s, name) < at_least {
+        assert!(Instant::now() < deadline, "{never}");
+        std::thread::yield_now();
+    }
+}
+
 /// Reads the metric `name`'s value from `/metrics`.
 fn metric(s: &Server, name: &str) -> f64 {
     let (_, m) = get_text(s, "/metrics", None);
@@ -226,14 +236,12 @@ fn a_full_queue_answers_503_a_gone_client_frees_its_slot_and_sigterm_finishes_in
     assert_eq!(code, 503, "{v}");
     // The client goes away: its sequence stops and the slot frees.
     drop(first);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while metric(&s, "mlex_cancelled_total") < 1.0 {
-        assert!(
-            Instant::now() < deadline,
-            "the dropped stream was never cancelled"
-        );
-        std::thread::yield_now();
-    }
+    await_metric(
+        &s,
+        "mlex_cancelled_total",
+        1.0,
+        "the dropped stream was never cancelled",
+    );
     let (code, _) = post(
         &s,
         "/v1/chat/completions",
@@ -267,14 +275,12 @@ fn concurrent_requests_decode_together() {
         wait_for_data(r);
     }
     // All three are in the one batch, none waits.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while metric(&s, "mlex_active_sequences") < 3.0 {
-        assert!(
-            Instant::now() < deadline,
-            "the three requests never decoded together"
-        );
-        std::thread::yield_now();
-    }
+    await_metric(
+        &s,
+        "mlex_active_sequences",
+        3.0,
+        "the three requests never decoded together",
+    );
     assert_eq!(metric(&s, "mlex_queue_depth"), 0.0);
 }
 

@@ -194,6 +194,12 @@ impl Error {
         }
     }
 
+    /// An [`Error::Io`] for a file that is not there, `why` saying what
+    /// it is for.
+    pub fn not_found(path: impl Into<PathBuf>, why: &str) -> Self {
+        Self::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, why))
+    }
+
     /// An [`Error::InvalidArgument`].
     pub fn invalid(name: impl Into<String>, message: impl Into<String>) -> Self {
         Error::InvalidArgument {

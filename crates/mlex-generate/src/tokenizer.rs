@@ -146,13 +146,7 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.is_file() {
-            return Err(Error::io(
-                &path,
-                std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    "no tokenizer.json in the model directory (give token ids instead, or add a tokenizer)",
-                ),
-            ));
+            return Err(Error::not_found(&path, "no tokenizer.json in the model directory (give token ids instead, or add a tokenizer)"));
         }
         let bad = |message: String| Error::BadWeightsFile {
             file: path.clone(),

@@ -340,12 +340,9 @@ pub fn load_with_mtp(
         ModelSource::Dir(dir) => {
             let cfg_path = dir.join("config.json");
             if !cfg_path.is_file() {
-                return Err(Error::io(
+                return Err(Error::not_found(
                     &cfg_path,
-                    std::io::Error::new(
-                        std::io::ErrorKind::NotFound,
-                        "no config.json in the model directory",
-                    ),
+                    "no config.json in the model directory",
                 ));
             }
             let config = ModelConfig::from_file(&cfg_path)?;

@@ -286,13 +286,8 @@ fn fused_steps_keep_every_state_on_cuda() {
             let conv = cast(normal(&[b, t, heads.conv_dim()], &key(4)));
             let ga = cast(normal(&[b, t, h], &key(5)));
             let gb = cast(normal(&[b, t, h], &key(6)));
-            let (ys, states) = gated_delta::steps_fused(
-                layer(&conv, &ga, &gb, &a_log, &dt_bias),
-                &s0,
-                heads,
-                true,
-            )
-            .unwrap();
+            let whole = layer(&conv, &ga, &gb, &a_log, &dt_bias);
+            let (ys, states) = gated_delta::steps_fused(whole, &s0, heads, true).unwrap();
             assert_eq!(ys.shape(), [b, t, h, heads.value_dim]);
             assert_eq!(states.shape(), [t, b, h, heads.value_dim, heads.key_dim]);
             let (mut s_ops, mut s_dec) = (s0.clone(), s0.clone());
@@ -308,13 +303,7 @@ fn fused_steps_keep_every_state_on_cuda() {
                 (s_ops, s_dec) = (ops.1, dec.1);
             }
             // Without keep_all, only the last state comes back.
-            let (_, last) = gated_delta::steps_fused(
-                layer(&conv, &ga, &gb, &a_log, &dt_bias),
-                &s0,
-                heads,
-                false,
-            )
-            .unwrap();
+            let (_, last) = gated_delta::steps_fused(whole, &s0, heads, false).unwrap();
             assert_eq!(last.shape()[0], 1);
             assert_eq!(
                 max_rel(

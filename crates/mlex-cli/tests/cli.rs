@@ -16,14 +16,13 @@ fn fixture_path(name: &str) -> PathBuf {
     path_of(&fixture(name))
 }
 
-fn last_json(out: &[u8]) -> Value {
-    let text = String::from_utf8_lossy(out);
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.trim_start().starts_with('{'))
-        .expect("a JSON line");
-    serde_json::from_str(line).unwrap()
+/// The report of `mlex inspect --format json` on `model`.
+fn inspect_json(model: &Path) -> Value {
+    let out = mlex()
+        .args(["inspect", "--format", "json", "--model"])
+        .arg(model)
+        .ok_stdout();
+    last_json(&out)
 }
 
 /// `mlex ARGS --model MODEL` fails, and its error names each of `names`.
@@ -129,11 +128,7 @@ fn list_shows_architectures_and_kinds_with_origins() {
 #[test]
 fn inspect_shows_plan_schedule_and_weights() {
     let p = fixture_path("qwen3_next-q4");
-    let out = mlex()
-        .args(["inspect", "--format", "json", "--model"])
-        .arg(&p)
-        .ok_stdout();
-    let v = last_json(&out);
+    let v = inspect_json(&p);
     assert_eq!(v["architecture"], "qwen3_next");
     let kinds: Vec<&str> = v["layers"]
         .as_array()
@@ -394,11 +389,7 @@ fn inspect_gives_each_gguf_tensor_group_its_file_type_and_what_it_became() {
         ("gguf-f16", "F16", "float16"),
     ] {
         let p = fixture_path(fixture);
-        let out = mlex()
-            .args(["inspect", "--format", "json", "--model"])
-            .arg(&p)
-            .ok_stdout();
-        let v = last_json(&out);
+        let v = inspect_json(&p);
         assert_eq!(v["format"], "gguf");
         let groups = v["tensor_groups"].as_array().unwrap();
         let q = groups
@@ -418,7 +409,9 @@ fn inspect_gives_each_gguf_tensor_group_its_file_type_and_what_it_became() {
     }
 }
 
-fn greedy_ids(model: &std::ffi::OsStr, envs: &[(&str, &std::ffi::OsStr)]) -> Vec<u64> {
+/// `mlex` with the test environment's Hugging Face variables removed and
+/// `envs` set instead.
+fn mlex_with_hub_env(envs: &[(&str, &std::ffi::OsStr)]) -> Command {
     let mut c = mlex();
     c.env_remove("HF_HUB_CACHE")
         .env_remove("HF_TOKEN")
@@ -426,7 +419,11 @@ fn greedy_ids(model: &std::ffi::OsStr, envs: &[(&str, &std::ffi::OsStr)]) -> Vec
     for (k, v) in envs {
         c.env(k, v);
     }
-    let out = c
+    c
+}
+
+fn greedy_ids(model: &std::ffi::OsStr, envs: &[(&str, &std::ffi::OsStr)]) -> Vec<u64> {
+    let out = mlex_with_hub_env(envs)
         .args([
             "generate",
             "--prompt-ids",
@@ -473,14 +470,8 @@ fn a_repo_id_downloads_from_hf_endpoint_and_answers_as_the_local_copy() {
         ("HF_ENDPOINT", endpoint.as_os_str()),
     ];
     let inspect = |model: &str, envs: &[(&str, &std::ffi::OsStr)]| {
-        let mut c = mlex();
-        c.env_remove("HF_HUB_CACHE")
-            .env_remove("HF_TOKEN")
-            .env_remove("HF_HUB_OFFLINE");
-        for (k, v) in envs {
-            c.env(k, v);
-        }
-        c.args(["inspect", "--format", "json", "--model", model])
+        mlex_with_hub_env(envs)
+            .args(["inspect", "--format", "json", "--model", model])
             .assert()
     };
     let first = last_json(&inspect("acme/tiny", &envs).success().get_output().stdout);
@@ -520,33 +511,19 @@ fn smollm2() -> PathBuf {
 #[test]
 fn smollm2_answers_paris() {
     let g = smollm2();
-    let out = mlex()
-        .args([
-            "generate",
-            "--prompt",
-            "What is the capital of France?",
-            "--max-tokens",
-            "40",
-            "--format",
-            "json",
-            "--model",
-        ])
-        .arg(&g)
-        .ok_stdout();
+    // `mlex generate` on the model with `args` (a prompt first).
+    let generate = |args: &[&str]| {
+        let mut c = mlex();
+        c.arg("generate").args(args).arg("--model").arg(&g);
+        c
+    };
+    let paris = "What is the capital of France?";
+    let out = generate(&["--prompt", paris, "--max-tokens", "40", "--format", "json"]).ok_stdout();
     let v = last_json(&out);
     assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
     assert_eq!(v["finish_reason"], "eos");
     // Text mode streams the answer to stdout.
-    let out = mlex()
-        .args([
-            "generate",
-            "--prompt",
-            "What is the capital of France?",
-            "--max-tokens",
-            "40",
-            "--model",
-        ])
-        .arg(&g)
+    let out = generate(&["--prompt", paris, "--max-tokens", "40"])
         .assert()
         .success()
         .get_output()
@@ -554,43 +531,15 @@ fn smollm2_answers_paris() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("Paris"));
     assert!(String::from_utf8_lossy(&out.stderr).contains("tok/s"));
     // A stop string cuts the text before it.
-    let out = mlex()
-        .args([
-            "generate",
-            "--prompt",
-            "What is the capital of France?",
-            "--stop",
-            "Paris",
-            "--format",
-            "json",
-            "--model",
-        ])
-        .arg(&g)
-        .ok_stdout();
+    let out = generate(&["--prompt", paris, "--stop", "Paris", "--format", "json"]).ok_stdout();
     let v = last_json(&out);
     assert_eq!(v["finish_reason"], "stop");
     assert!(!v["text"].as_str().unwrap().contains("Paris"));
     // Same seed, same sampled output.
     let sample = |seed: &str| {
-        let out = mlex()
-            .args([
-                "generate",
-                "--prompt",
-                "Tell me a story.",
-                "--max-tokens",
-                "12",
-                "--temp",
-                "0.9",
-                "--top-p",
-                "0.95",
-                "--seed",
-                seed,
-                "--format",
-                "json",
-                "--model",
-            ])
-            .arg(&g)
-            .ok_stdout();
+        let story = ["--prompt", "Tell me a story.", "--max-tokens", "12"];
+        let sampling = ["--temp", "0.9", "--top-p", "0.95", "--seed", seed];
+        let out = generate(&[&story[..], &sampling, &["--format", "json"]].concat()).ok_stdout();
         last_json(&out)["token_ids"].clone()
     };
     assert_eq!(sample("3"), sample("3"));
@@ -1712,20 +1661,29 @@ fn generated_ids(m: &std::path::Path, prompt: &[i32], n: usize, extra: &[&str]) 
         .collect()
 }
 
+/// The `llama-kvq-f32` fixture, its model folder, and its
+/// `xtask/py/kvq_ref.py` reference's entries (`CASE.params`, `CASE.tokens`)
+/// as integers by name.
+fn kvq_reference() -> (Fixture, PathBuf, impl Fn(&str) -> Vec<i32>) {
+    let f = fixture("llama-kvq-f32");
+    let m = path_of(&f);
+    let r: std::collections::HashMap<String, mlx_rs::Array> =
+        mlx_rs::Array::load_safetensors(fixtures_dir().join(f.kv_reference.as_ref().unwrap()))
+            .unwrap();
+    let ints =
+        move |name: &str| -> Vec<i32> { to_f32(&r[name]).iter().map(|&x| x as i32).collect() };
+    (f, m, ints)
+}
+
 /// `--kv-bits`: `generate` gives mlx-lm's tokens under its quantized cache
 /// (the `late` case of `xtask/py/kvq_ref.py`: 8 bits from token 20), bench
 /// reports the form, and the modes whose caches are not quantized yet say
 /// so, naming the option.
 #[test]
 fn kv_bits_follow_mlx_lm_and_bad_uses_name_the_option() {
-    let f = fixture("llama-kvq-f32");
-    let m = path_of(&f);
-    let r: std::collections::HashMap<String, mlx_rs::Array> =
-        mlx_rs::Array::load_safetensors(fixtures_dir().join(f.kv_reference.as_ref().unwrap()))
-            .unwrap();
-    let ints = |a: &mlx_rs::Array| -> Vec<i32> { to_f32(a).iter().map(|&x| x as i32).collect() };
-    let p = ints(&r["late.params"]);
-    let want = ints(&r["late.tokens"]);
+    let (f, m, ints) = kvq_reference();
+    let p = ints("late.params");
+    let want = ints("late.tokens");
     let prompt = reference(&f).prompt.clone();
     let (bits, group, start) = (p[0].to_string(), p[1].to_string(), p[2].to_string());
     let kv = [
@@ -1777,14 +1735,9 @@ fn kv_bits_follow_mlx_lm_and_bad_uses_name_the_option() {
 /// prompt 16), bench reports it, and the bad uses name the option.
 #[test]
 fn max_kv_size_follows_mlx_lm_and_bad_uses_name_the_option() {
-    let f = fixture("llama-kvq-f32");
-    let m = path_of(&f);
-    let r: std::collections::HashMap<String, mlx_rs::Array> =
-        mlx_rs::Array::load_safetensors(fixtures_dir().join(f.kv_reference.as_ref().unwrap()))
-            .unwrap();
-    let ints = |a: &mlx_rs::Array| -> Vec<i32> { to_f32(a).iter().map(|&x| x as i32).collect() };
-    let window = ints(&r["window.params"])[0].to_string();
-    let want = ints(&r["window.tokens"]);
+    let (f, m, ints) = kvq_reference();
+    let window = ints("window.params")[0].to_string();
+    let want = ints("window.tokens");
     let prompt = reference(&f).prompt.clone();
     let got = generated_ids(&m, &prompt, want.len(), &["--max-kv-size", &window]);
     assert_eq!(got, want, "mlx-lm's tokens in its {window}-token window");

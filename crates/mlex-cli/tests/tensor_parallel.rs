@@ -85,13 +85,7 @@ fn greedy_json(f: &Fixture, prompt: &[i32], tp: u32, extra: &[&str]) -> Value {
         .arg(tp.to_string())
         .args(extra)
         .ok_stdout();
-    let text = String::from_utf8_lossy(&out);
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .expect("a JSON line");
-    serde_json::from_str(line).unwrap()
+    last_json(&out)
 }
 
 /// Two ranks give one device's greedy tokens (compiled and eager) and its
@@ -233,8 +227,7 @@ fn bench(f: &Fixture, tp: u32, extra: &[&str]) -> Value {
         .args(["--tp", &tp.to_string()])
         .args(extra)
         .ok_stdout();
-    let text = String::from_utf8_lossy(&out);
-    serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap()
+    last_json(&out)
 }
 
 #[test]

@@ -293,3 +293,24 @@ impl CudaKernel {
         }
     }
 }
+
+/// A recurrent decode step as its multi-token kernel run on one token:
+/// `conv` (the step's `[B, 1, C]` input) must be one token, and `steps`
+/// (the kernel keeping only the last state, `[1, ...]`) runs with the
+/// state reshaped back to `state`'s shape. `what` names the step in the
+/// error.
+pub(crate) fn one_token_step(
+    what: &str,
+    conv: &Array,
+    state: &Array,
+    steps: impl FnOnce() -> Result<(Array, Array)>,
+) -> Result<(Array, Array)> {
+    if conv.shape().get(1) != Some(&1) {
+        return Err(Error::invalid(
+            what,
+            format!("conv {:?} is not one token", conv.shape()),
+        ));
+    }
+    let (y, states) = steps()?;
+    Ok((y, mlx_rs::ops::reshape(&states, state.shape())?))
+}

@@ -399,14 +399,9 @@ pub fn fused_decode_supported(heads: Heads) -> bool {
 /// split, q/k normalisation, gates and the state update in one launch.
 /// CUDA only; check [`fused_decode_supported`] first.
 pub fn decode_fused(x: LayerInputs<'_>, state: &Array, heads: Heads) -> Result<(Array, Array)> {
-    if x.conv.shape().get(1) != Some(&1) {
-        return Err(Error::invalid(
-            "fused gated delta decode",
-            format!("conv {:?} is not one token", x.conv.shape()),
-        ));
-    }
-    let (y, states) = steps_fused(x, state, heads, false)?;
-    Ok((y, ops::reshape(&states, state.shape())?))
+    crate::cuda::one_token_step("fused gated delta decode", x.conv, state, || {
+        steps_fused(x, state, heads, false)
+    })
 }
 
 /// [`decode_ops`] over `T` consecutive tokens (`conv` `[B, T, C]`, `a`, `b`

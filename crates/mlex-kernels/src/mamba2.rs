@@ -31,9 +31,14 @@ impl Shape {
     }
 }
 
-/// The per-head parameters of the step.
+/// What one step reads: the token inputs and the per-head parameters.
 #[derive(Clone, Copy)]
-pub struct Params<'a> {
+pub struct Inputs<'a> {
+    /// The convolved projection `[B, T, H Dh + 2 G N]` (x, B, C after the
+    /// convolution).
+    pub conv: &'a Array,
+    /// The raw `dt` `[B, T, H]`.
+    pub dt: &'a Array,
     /// `[H]`.
     pub dt_bias: &'a Array,
     /// `[H]`.
@@ -42,16 +47,10 @@ pub struct Params<'a> {
     pub d: &'a Array,
 }
 
-/// One decode token in plain ops: `conv` `[B, 1, H Dh + 2 G N]` (x, B, C
-/// after the convolution), `dt` `[B, 1, H]` raw, `state` `[B, H, Dh, N]`
-/// → (y `[B, 1, H, Dh]` in conv's dtype, new state, f32).
-pub fn decode_ops(
-    conv: &Array,
-    dt: &Array,
-    p: Params<'_>,
-    state: &Array,
-    shape: Shape,
-) -> Result<(Array, Array)> {
+/// One decode token in plain ops (`T` = 1), `state` `[B, H, Dh, N]` →
+/// (y `[B, 1, H, Dh]` in conv's dtype, new state, f32).
+pub fn decode_ops(p: Inputs<'_>, state: &Array, shape: Shape) -> Result<(Array, Array)> {
+    let (conv, dt) = (p.conv, p.dt);
     let b = conv.shape()[0];
     let (h, dh, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_dim);
     let dt_limit = shape.dt_limit;
@@ -93,39 +92,26 @@ pub fn fused_decode_supported(shape: Shape) -> bool {
 
 /// [`decode_ops`] as one custom CUDA kernel (`mamba2_decode.cu`). CUDA
 /// only; check [`fused_decode_supported`] first.
-pub fn decode_fused(
-    conv: &Array,
-    dt: &Array,
-    p: Params<'_>,
-    state: &Array,
-    shape: Shape,
-) -> Result<(Array, Array)> {
-    if conv.shape().get(1) != Some(&1) {
-        return Err(Error::invalid(
-            "fused mamba2 decode",
-            format!("conv {:?} is not one token", conv.shape()),
-        ));
-    }
-    let (y, states) = steps_fused(conv, dt, p, state, shape, false)?;
-    Ok((y, ops::reshape(&states, state.shape())?))
+pub fn decode_fused(p: Inputs<'_>, state: &Array, shape: Shape) -> Result<(Array, Array)> {
+    crate::cuda::one_token_step("fused mamba2 decode", p.conv, state, || {
+        steps_fused(p, state, shape, false)
+    })
 }
 
-/// [`decode_ops`] over `T` consecutive tokens (`conv` `[B, T, C]`, `dt`
-/// `[B, T, H]`) in one launch of the same kernel, the state carried in
-/// registers from one token to the next: y `[B, T, H, Dh]` and, with
+/// [`decode_ops`] over `T` consecutive tokens in one launch of the same
+/// kernel, the state carried in registers from one token to the next: y `[B, T, H, Dh]` and, with
 /// `keep_all`, the state after every token `[T, B, H, Dh, N]` (a
 /// speculative verify), else after the last `[1, B, H, Dh, N]`. Each
 /// token's arithmetic is the decode step's, so the states equal `T`
 /// chained [`decode_fused`] calls bit for bit. CUDA only; check
 /// [`fused_decode_supported`] first.
 pub fn steps_fused(
-    conv: &Array,
-    dt: &Array,
-    p: Params<'_>,
+    p: Inputs<'_>,
     state: &Array,
     shape: Shape,
     keep_all: bool,
 ) -> Result<(Array, Array)> {
+    let (conv, dt) = (p.conv, p.dt);
     let (h, dh, g, n) = (shape.heads, shape.head_dim, shape.groups, shape.state_dim);
     let dt_limit = shape.dt_limit;
     let (b, t) = match conv.shape() {

@@ -5,7 +5,7 @@
 mod common;
 
 use common::{assert_kept_state, assert_on_cuda, assert_step_close, normal};
-use mlex_kernels::mamba2::{self, Params, Shape};
+use mlex_kernels::mamba2::{self, Inputs, Shape};
 use mlx_rs::{ops, Array, Dtype};
 
 /// Random `dt_bias`, `A_log` and `D` of `h` heads, from seeds `seed`,
@@ -18,9 +18,16 @@ fn weights(h: i32, seed: u64) -> (Array, Array, Array) {
     )
 }
 
-/// The kernel's view of [`weights`].
-fn params((dt_bias, a_log, d): &(Array, Array, Array)) -> Params<'_> {
-    Params { dt_bias, a_log, d }
+/// The kernel's inputs: token inputs `conv` and `dt` with [`weights`].
+fn inputs<'a>(conv: &'a Array, dt: &'a Array, w: &'a (Array, Array, Array)) -> Inputs<'a> {
+    let (dt_bias, a_log, d) = (&w.0, &w.1, &w.2);
+    Inputs {
+        conv,
+        dt,
+        dt_bias,
+        a_log,
+        d,
+    }
 }
 
 #[test]
@@ -48,14 +55,14 @@ fn fused_decode_equals_ops_on_cuda() {
             let (b, h) = (2, shape.heads);
             let cast = |x: Array| x.as_dtype(dtype).unwrap();
             let w = weights(h, 1);
-            let p = params(&w);
             let mut s0 = normal(&[b, h, shape.head_dim, shape.state_dim], 4);
             let mut s1 = s0.clone();
             for t in 0..4 {
                 let conv = cast(normal(&[b, 1, shape.conv_dim()], 10 + t));
                 let dt = cast(normal(&[b, 1, h], 20 + t));
-                let ops = mamba2::decode_ops(&conv, &dt, p, &s0, shape).unwrap();
-                let fused = mamba2::decode_fused(&conv, &dt, p, &s1, shape).unwrap();
+                let p = inputs(&conv, &dt, &w);
+                let ops = mamba2::decode_ops(p, &s0, shape).unwrap();
+                let fused = mamba2::decode_fused(p, &s1, shape).unwrap();
                 assert_step_close(
                     &ops,
                     &fused,
@@ -84,12 +91,14 @@ fn ops_step_equals_scalar_loops() {
     let dt = normal(&[b as i32, 1, h as i32], 42);
     let (dt_bias, a_log, d) = (normal(&[4], 43), normal(&[4], 44), normal(&[4], 45));
     let state = normal(&[2, 4, 3, 5], 46);
-    let p = Params {
+    let p = Inputs {
+        conv: &conv,
+        dt: &dt,
         dt_bias: &dt_bias,
         a_log: &a_log,
         d: &d,
     };
-    let (y, next) = mamba2::decode_ops(&conv, &dt, p, &state, shape).unwrap();
+    let (y, next) = mamba2::decode_ops(p, &state, shape).unwrap();
     let host = |a: &Array| a.as_slice::<f32>().to_vec();
     let (cv, dtv, bias, al, dv, sv) = (
         host(&conv),
@@ -148,11 +157,10 @@ fn a_custom_kernel_launch_errs_without_cuda_and_runs_with_it() {
         dt_limit: (0.0, f32::INFINITY),
     };
     let w = weights(4, 1);
-    let p = params(&w);
     let state = normal(&[1, 4, 16, 32], 4);
     let conv = normal(&[1, 1, shape.conv_dim()], 5);
     let dt = normal(&[1, 1, 4], 6);
-    let result = mamba2::decode_fused(&conv, &dt, p, &state, shape)
+    let result = mamba2::decode_fused(inputs(&conv, &dt, &w), &state, shape)
         .and_then(|(y, s)| Ok(mlx_rs::transforms::eval([&y, &s])?));
     assert_eq!(
         result.is_ok(),
@@ -185,18 +193,20 @@ fn fused_steps_keep_every_state_on_cuda() {
             let (b, h) = (2, shape.heads);
             let cast = |x: Array| x.as_dtype(dtype).unwrap();
             let w = weights(h, 51);
-            let p = params(&w);
             let s0 = normal(&[b, h, shape.head_dim, shape.state_dim], 54);
             let conv = cast(normal(&[b, t, shape.conv_dim()], 55));
             let dt = cast(normal(&[b, t, h], 56));
-            let (ys, states) = mamba2::steps_fused(&conv, &dt, p, &s0, shape, true).unwrap();
+            let (ys, states) =
+                mamba2::steps_fused(inputs(&conv, &dt, &w), &s0, shape, true).unwrap();
             assert_eq!(ys.shape(), [b, t, h, shape.head_dim]);
             assert_eq!(states.shape(), [t, b, h, shape.head_dim, shape.state_dim]);
             let (mut s_ops, mut s_dec) = (s0.clone(), s0.clone());
             for i in 0..t {
                 let at = |x: &Array| x.try_index((.., i..i + 1)).unwrap();
-                let ops = mamba2::decode_ops(&at(&conv), &at(&dt), p, &s_ops, shape).unwrap();
-                let dec = mamba2::decode_fused(&at(&conv), &at(&dt), p, &s_dec, shape).unwrap();
+                let (conv_i, dt_i) = (at(&conv), at(&dt));
+                let p = inputs(&conv_i, &dt_i, &w);
+                let ops = mamba2::decode_ops(p, &s_ops, shape).unwrap();
+                let dec = mamba2::decode_fused(p, &s_dec, shape).unwrap();
                 let kept = (at(&ys), states.try_index(i).unwrap());
                 let what = format!("{dtype:?} T={t} position {i}");
                 assert_kept_state(&kept, &ops, &dec, dtype, &what);

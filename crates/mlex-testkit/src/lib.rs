@@ -220,6 +220,19 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> (f32, f32) {
     (d, m)
 }
 
+/// The last JSON object line of a command's output (`--format json`
+/// reports end with one).
+#[track_caller]
+pub fn last_json(out: &[u8]) -> serde_json::Value {
+    let text = String::from_utf8_lossy(out);
+    let line = text
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .expect("a JSON line");
+    serde_json::from_str(line).unwrap()
+}
+
 /// Asserts `text` (an error message, a command's output) contains every
 /// one of `needles`, showing the text otherwise.
 #[track_caller]

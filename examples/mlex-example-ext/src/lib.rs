@@ -12,7 +12,8 @@
 //!   restores it;
 //! - `toy_ema`, whose layers alternate `ema` and `attention`.
 //!
-//! Each registers with one macro; linking this crate is enough for
+//! Each registers with one macro (a layer kind's defines its kind from
+//! its typed options and build function); linking this crate is enough for
 //! `mlex_models::registry()` to show them. The crate's binary,
 //! `mlex-example` (`src/main.rs`), is the whole `mlex` CLI in three lines
 //! (`mlex_cli::main()`), so `mlex-example list` and `mlex-example generate`
@@ -26,7 +27,7 @@ use mlex_core::arch::{Architecture, HeadPlan, LayerPlan, ModelPlan};
 use mlex_core::cache::Cache;
 use mlex_core::config::ModelConfig;
 use mlex_core::error::Result;
-use mlex_core::layer::{BuildCtx, Carry, Layer, LayerKind, State, StateKind};
+use mlex_core::layer::{BuildCtx, Carry, Layer, State, StateKind};
 use mlex_core::nn::{Linear, RmsNorm};
 use mlex_core::params::{ParamId, Params};
 use mlx_rs::ops::indexing::IndexOp;
@@ -40,26 +41,30 @@ pub struct GatedMlp {
     gate: ParamId,
 }
 
-/// The `gated_mlp` kind.
-pub struct GatedMlpKind;
+/// The options of this crate's kinds: none (they read their sizes from
+/// the config), and a spec that gives one is refused naming it.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoOptions {}
 
-impl LayerKind for GatedMlpKind {
-    fn name(&self) -> &'static str {
-        "gated_mlp"
+mlex_core::register_layer_kind! {
+    /// The `gated_mlp` kind.
+    kind GatedMlpKind = "gated_mlp" {
+        options: NoOptions,
+        state: StateKind::None,
+        summary: "example: x + sigmoid(gate) * up(norm(x)) (registered from mlex-example-ext)",
+        build: GatedMlp::build,
     }
-    fn state(&self) -> StateKind {
-        StateKind::None
-    }
-    fn summary(&self) -> &'static str {
-        "example: x + sigmoid(gate) * up(norm(x)) (registered from mlex-example-ext)"
-    }
-    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>> {
+}
+
+impl GatedMlp {
+    fn build(ctx: &mut BuildCtx<'_>, _: &NoOptions) -> Result<Self> {
         let hidden = ctx.cfg_i32("hidden_size")?;
-        Ok(Box::new(GatedMlp {
+        Ok(GatedMlp {
             norm: RmsNorm::load(ctx.weights, &ctx.path("norm"), hidden, 1e-6)?,
             up: Linear::load(ctx.weights, &ctx.path("up"), hidden, hidden, false)?,
             gate: ctx.weights.take(&ctx.path("gate"), &[hidden])?,
-        }))
+        })
     }
 }
 
@@ -166,26 +171,24 @@ pub struct Ema {
     out: Linear,
 }
 
-/// The `ema` kind.
-pub struct EmaKind;
+mlex_core::register_layer_kind! {
+    /// The `ema` kind.
+    kind EmaKind = "ema" {
+        options: NoOptions,
+        state: StateKind::Fixed,
+        summary: "example: x + out(h), h a per-channel moving average of x kept in an `ema` cache (registered from mlex-example-ext)",
+        build: Ema::build,
+    }
+}
 
-impl LayerKind for EmaKind {
-    fn name(&self) -> &'static str {
-        "ema"
-    }
-    fn state(&self) -> StateKind {
-        StateKind::Fixed
-    }
-    fn summary(&self) -> &'static str {
-        "example: x + out(h), h a per-channel moving average of x kept in an `ema` cache (registered from mlex-example-ext)"
-    }
-    fn build(&self, ctx: &mut BuildCtx<'_>) -> Result<Box<dyn Layer>> {
+impl Ema {
+    fn build(ctx: &mut BuildCtx<'_>, _: &NoOptions) -> Result<Self> {
         let hidden = ctx.cfg_i32("hidden_size")?;
-        Ok(Box::new(Ema {
+        Ok(Ema {
             hidden,
             decay: ctx.weights.take(&ctx.path("decay"), &[hidden])?,
             out: Linear::load(ctx.weights, &ctx.path("out"), hidden, hidden, false)?,
-        }))
+        })
     }
 }
 
@@ -248,9 +251,7 @@ impl Architecture for ToyEma {
     }
 }
 
-mlex_core::register_layer_kind!("gated_mlp", GatedMlpKind);
 mlex_core::register_architecture!("toy_ext", ToyExt);
-mlex_core::register_layer_kind!("ema", EmaKind);
 mlex_core::register_architecture!("toy_ema", ToyEma);
 // Without this, a prompt cache saved with an `ema` layer could not be
 // loaded: the cache kind names the constructor that rebuilds it.

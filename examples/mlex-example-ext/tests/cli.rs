@@ -55,8 +55,7 @@ fn generate(dir: &std::path::Path, extra: &[&str]) -> Value {
         .arg("--model")
         .arg(dir)
         .ok_stdout();
-    let text = String::from_utf8_lossy(&out);
-    serde_json::from_str(text.lines().rev().find(|l| l.starts_with('{')).unwrap()).unwrap()
+    mlex_testkit::last_json(&out)
 }
 
 #[test]

@@ -298,6 +298,23 @@ impl Mamba2 {
         Ok((ops::add(&y, ops::multiply(x, &dskip)?)?, state))
     }
 
+    /// The decode kernels' inputs: the token inputs with this layer's
+    /// per-head parameters.
+    fn inputs<'a>(
+        &self,
+        p: &'a Params,
+        conv: &'a Array,
+        dt: &'a Array,
+    ) -> Result<mamba2::Inputs<'a>> {
+        Ok(mamba2::Inputs {
+            conv,
+            dt,
+            dt_bias: p.get(self.dt_bias)?,
+            a_log: p.get(self.a_log)?,
+            d: p.get(self.d)?,
+        })
+    }
+
     fn mixer(&self, p: &Params, x: &Array, state: &mut State<'_>) -> Result<Array> {
         let s = x.shape();
         let (bsz, len) = (s[0], s[1]);
@@ -321,12 +338,7 @@ impl Mamba2 {
             let n = conv_out.shape()[1];
             if n == 1 && self.fused_decode && mamba2::fused_decode_supported(shape) {
                 // One token on CUDA: the whole SSM step in one kernel.
-                let params = mamba2::Params {
-                    dt_bias: p.get(self.dt_bias)?,
-                    a_log: p.get(self.a_log)?,
-                    d: p.get(self.d)?,
-                };
-                return mamba2::decode_fused(conv_out, dt, params, s, shape);
+                return mamba2::decode_fused(self.inputs(p, conv_out, dt)?, s, shape);
             }
             // The SSD form for any length, as mlx-lm's `ssm_attn` runs it
             // off Metal (decode included), so low-precision rounding matches.
@@ -340,12 +352,8 @@ impl Mamba2 {
         let y = if state.keeps_positions() && len > 1 && fused {
             // A verify run on CUDA: the decode kernel over every position
             // in one launch, keeping the state after each.
-            let params = mamba2::Params {
-                dt_bias: p.get(self.dt_bias)?,
-                a_log: p.get(self.a_log)?,
-                d: p.get(self.d)?,
-            };
-            let (y, states) = mamba2::steps_fused(&conv_out, dt, params, &state[1], shape, true)?;
+            let inputs = self.inputs(p, &conv_out, dt)?;
+            let (y, states) = mamba2::steps_fused(inputs, &state[1], shape, true)?;
             state.set_positions(1, states)?;
             y
         } else if state.keeps_positions() && len > 1 {

@@ -14,16 +14,21 @@ fn question() -> Value {
     json!([{"role": "user", "content": "What is the capital of France?"}])
 }
 
+/// The status and body of a chat request with [`question`] and no key.
+fn ask(s: &Server) -> (u16, Value) {
+    post(
+        s,
+        "/v1/chat/completions",
+        None,
+        &json!({"messages": question()}),
+    )
+}
+
 #[test]
 fn chat_and_completions_answer_streamed_or_not_and_bad_requests_are_4xx() {
     let s = start(&["--batch", "4", "--api-key", "k"]);
     // Every request needs the key.
-    let (code, body) = post(
-        &s,
-        "/v1/chat/completions",
-        None,
-        &json!({"messages": question()}),
-    );
+    let (code, body) = ask(&s);
     assert_eq!(code, 401, "{body}");
     assert!(body["error"]["message"]
         .as_str()
@@ -227,12 +232,7 @@ fn a_full_queue_answers_503_a_gone_client_frees_its_slot_and_sigterm_finishes_in
     // The only slot is taken once the first token arrives.
     let mut first = stream(&s, "/v1/chat/completions", None, &long);
     wait_for_data(&mut first);
-    let (code, v) = post(
-        &s,
-        "/v1/chat/completions",
-        None,
-        &json!({"messages": question()}),
-    );
+    let (code, v) = ask(&s);
     assert_eq!(code, 503, "{v}");
     // The client goes away: its sequence stops and the slot frees.
     drop(first);

@@ -18,6 +18,19 @@ fn weights(h: i32, seed: u64) -> (Array, Array, Array) {
     )
 }
 
+/// The small shape of the kernel tests: groups of two heads, a state row
+/// one warp wide.
+const SMALL: Shape = Shape {
+    heads: 4,
+    head_dim: 16,
+    groups: 2,
+    state_dim: 32,
+    dt_limit: (0.001, 100.0),
+};
+
+/// A `dt` clip that never bites.
+const NO_CLIP: (f32, f32) = (0.0, f32::INFINITY);
+
 /// The kernel's inputs: token inputs `conv` and `dt` with [`weights`].
 fn inputs<'a>(conv: &'a Array, dt: &'a Array, w: &'a (Array, Array, Array)) -> Inputs<'a> {
     let (dt_bias, a_log, d) = (&w.0, &w.1, &w.2);
@@ -36,18 +49,15 @@ fn fused_decode_equals_ops_on_cuda() {
     assert_on_cuda();
     let shapes = [
         Shape {
-            heads: 4,
-            head_dim: 16,
-            groups: 2,
-            state_dim: 32,
-            dt_limit: (0.0, f32::INFINITY),
+            dt_limit: NO_CLIP,
+            ..SMALL
         },
         Shape {
             heads: 32,
             head_dim: 64,
             groups: 8,
             state_dim: 128,
-            dt_limit: (0.001, 100.0),
+            ..SMALL
         },
     ];
     for shape in shapes {
@@ -150,11 +160,8 @@ fn a_custom_kernel_launch_errs_without_cuda_and_runs_with_it() {
     let on_cuda =
         mlex_core::device::runtime_info().unwrap().backend == mlex_core::device::Backend::Cuda;
     let shape = Shape {
-        heads: 4,
-        head_dim: 16,
-        groups: 2,
-        state_dim: 32,
-        dt_limit: (0.0, f32::INFINITY),
+        dt_limit: NO_CLIP,
+        ..SMALL
     };
     let w = weights(4, 1);
     let state = normal(&[1, 4, 16, 32], 4);
@@ -181,13 +188,7 @@ fn a_custom_kernel_launch_errs_without_cuda_and_runs_with_it() {
 fn fused_steps_keep_every_state_on_cuda() {
     use mlx_rs::ops::indexing::TryIndexOp;
     assert_on_cuda();
-    let shape = Shape {
-        heads: 4,
-        head_dim: 16,
-        groups: 2,
-        state_dim: 32,
-        dt_limit: (0.001, 100.0),
-    };
+    let shape = SMALL;
     for dtype in [Dtype::Float32, Dtype::Bfloat16] {
         for t in [1, 4, 7] {
             let (b, h) = (2, shape.heads);

@@ -295,13 +295,17 @@ fn crafted_gguf_headers_are_errors() {
     b.extend(1_000_000u64.to_le_bytes());
     cases.push(("name length", b));
     let dir = tempfile::tempdir().unwrap();
-    for (what, bytes) in cases {
-        let p = dir.path().join("crafted.gguf");
-        std::fs::write(&p, &bytes).unwrap();
-        let e = mlex_models::gguf::validate_gguf(&p)
+    let p = dir.path().join("crafted.gguf");
+    // Writes `bytes` as crafted.gguf: validating it must fail; the error.
+    let refused = |what: &str, bytes: &[u8]| -> String {
+        std::fs::write(&p, bytes).unwrap();
+        mlex_models::gguf::validate_gguf(&p)
             .err()
             .unwrap_or_else(|| panic!("{what}: accepted"))
-            .to_string();
+            .to_string()
+    };
+    for (what, bytes) in cases {
+        let e = refused(what, &bytes);
         assert!(e.contains("crafted.gguf"), "{what}: {e}");
         let e = load_err(&p).to_string();
         assert!(e.contains("crafted.gguf"), "{what}: {e}");
@@ -338,12 +342,7 @@ fn crafted_gguf_headers_are_errors() {
     named(&mut b, "a", &[1 << 16, 1 << 16], 8, 0);
     cases.push(("over 2^31 elements", padded(b), "at most 2^31"));
     for (what, bytes, says) in cases {
-        let p = dir.path().join("crafted.gguf");
-        std::fs::write(&p, &bytes).unwrap();
-        let e = mlex_models::gguf::validate_gguf(&p)
-            .err()
-            .unwrap_or_else(|| panic!("{what}: accepted"))
-            .to_string();
+        let e = refused(what, &bytes);
         assert!(
             e.contains("crafted.gguf") && e.contains(says),
             "{what}: {e}"
@@ -424,22 +423,19 @@ fn a_toml_hybrid_runs_without_rust_code() {
         serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
     v["model_type"] = "my_hybrid".into();
     std::fs::write(&cfg, v.to_string()).unwrap();
-    let toml = dir.join("my_hybrid.toml");
-    std::fs::write(
-        &toml,
-        "model_type = \"my_hybrid\"\nextends = \"qwen3_next\"\n[layers]\npattern = [\"gated_delta\", \"gated_delta\", \"gated_delta\", \"attention\"]\n",
-    )
-    .unwrap();
-    let registry = mlex_models::build_registry(&[toml]).unwrap();
+    // The registry with a spec file `file` serving `my_hybrid` as
+    // Qwen3-Next with the layer pattern `pattern`.
+    let with_spec = |file: &str, pattern: &str| {
+        let toml = dir.join(file);
+        let spec = "model_type = \"my_hybrid\"\nextends = \"qwen3_next\"\n[layers]\n";
+        std::fs::write(&toml, format!("{spec}pattern = [{pattern}]\n")).unwrap();
+        mlex_models::build_registry(&[toml]).unwrap()
+    };
+    let pattern = "\"gated_delta\", \"gated_delta\", \"gated_delta\", \"attention\"";
+    let registry = with_spec("my_hybrid.toml", pattern);
     assert_reference_logits(&dir, &registry, &f, "my_hybrid");
     // A pattern that does not match the weights fails strictly.
-    let toml2 = dir.join("wrong.toml");
-    std::fs::write(
-        &toml2,
-        "model_type = \"my_hybrid\"\nextends = \"qwen3_next\"\n[layers]\npattern = [\"attention\"]\n",
-    )
-    .unwrap();
-    let registry = mlex_models::build_registry(&[toml2]).unwrap();
+    let registry = with_spec("wrong.toml", "\"attention\"");
     let e = match mlex_models::load::load(dir.to_str().unwrap(), &registry) {
         Ok(_) => panic!("wrong pattern loaded"),
         Err(e) => e.to_string(),

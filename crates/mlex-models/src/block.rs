@@ -127,7 +127,6 @@ pub struct FfnSizes {
 #[serde(deny_unknown_fields)]
 pub struct BlockOptions {
     /// The registered mixer kind (`null`: a feed-forward-only block).
-    #[serde(default)]
     pub mixer: Option<String>,
     /// The mixer's options (its kind's typed options struct).
     #[serde(default)]
@@ -166,12 +165,10 @@ pub struct BlockOptions {
     pub ffn_sizes: FfnSizes,
     /// Scales each branch before its residual add (Granite's
     /// `residual_multiplier`).
-    #[serde(default)]
     pub residual_multiplier: Option<f64>,
     /// Canon convolutions around the feed-forward (DharaAR): position C on
     /// the normed input, D on the SwiGLU's inner activation. Positions A
     /// and B belong to the attention mixer's `canon` option.
-    #[serde(default)]
     pub canon: Option<CanonOptions>,
 }
 

@@ -55,14 +55,11 @@ pub struct ArchSpec {
     /// The `config.json` `model_type` it serves.
     pub model_type: String,
     /// One line for `mlex list`.
-    #[serde(default)]
     pub summary: Option<String>,
     /// Where the reference implementation is (paper, mlx-lm file).
-    #[serde(default)]
     pub reference: Option<String>,
     /// Another spec this one starts from; its tables are merged under this
     /// file's (see [`merge_over_base`]).
-    #[serde(default)]
     pub extends: Option<String>,
     /// With `extends`: dotted paths of the base's entries that this file
     /// replaces instead of merging into (`["sanitize"]` drops the base's
@@ -75,7 +72,6 @@ pub struct ArchSpec {
     pub also: Vec<AlsoServes>,
     /// A nested config object to read instead of the top level, when the
     /// config has it (`text_config` of multimodal wrappers).
-    #[serde(default)]
     pub text_config: Option<String>,
     /// Values filled into the (text) config where it has none or `null`.
     #[serde(default)]
@@ -84,7 +80,6 @@ pub struct ArchSpec {
     #[serde(default)]
     pub params: BTreeMap<String, ParamSpec>,
     /// The model around the layers.
-    #[serde(default)]
     pub model: Option<ModelSpec>,
     /// The layer stack.
     pub layers: LayersSpec,
@@ -101,12 +96,10 @@ pub struct ArchSpec {
     #[serde(default)]
     pub sanitize: Vec<SanitizeStep>,
     /// A multi-token-prediction head.
-    #[serde(default)]
     pub mtp: Option<MtpSpec>,
     /// How llama.cpp's GGUF files of this family load ([`crate::gguf`]); a
     /// spec that extends another inherits its base's only when it declares
     /// its own.
-    #[serde(default)]
     pub gguf: Option<crate::gguf::GgufSpec>,
 }
 
@@ -151,7 +144,6 @@ pub enum ParamSpec {
 pub struct ParamTable {
     /// The config key (default: the parameter's name); dotted for nesting,
     /// e.g. `rope_parameters.rope_theta`.
-    #[serde(default)]
     pub key: Option<String>,
     /// Alternative keys, the first present wins (instead of `key`).
     #[serde(default)]
@@ -161,7 +153,6 @@ pub struct ParamTable {
     pub ty: ParamType,
     /// The value when no key is present (else the parameter is required,
     /// unless `optional`).
-    #[serde(default)]
     pub default: Option<toml::Value>,
     /// Absent is allowed: options that use it are left out.
     #[serde(default)]
@@ -169,11 +160,9 @@ pub struct ParamTable {
     /// Replace the value by this table's entry for it (e.g. a config enum
     /// to a layer-kind option); a value not in the map is an error listing
     /// the known ones.
-    #[serde(default)]
     pub map: Option<toml::Table>,
     /// The parameter is absent unless this parameter is true (a non-zero
     /// number, a non-empty string or list count as true).
-    #[serde(default)]
     pub only_if: Option<String>,
 }
 
@@ -255,7 +244,6 @@ pub struct ModelSpec {
     /// Output head prefix (unused when tied).
     pub head: String,
     /// Whether the head is the embedding (bool or `"$param"`).
-    #[serde(default)]
     pub tie: Option<toml::Value>,
     /// Vocabulary size.
     pub vocab_size: toml::Value,
@@ -267,16 +255,12 @@ pub struct ModelSpec {
     #[serde(default)]
     pub norm_type: mlex_core::nn::NormKind,
     /// Longest context (optional).
-    #[serde(default)]
     pub max_context: Option<toml::Value>,
     /// `c * tanh(logits / c)` when set and positive.
-    #[serde(default)]
     pub logit_softcap: Option<toml::Value>,
     /// Embedded tokens multiplied by this (Granite).
-    #[serde(default)]
     pub embedding_multiplier: Option<toml::Value>,
     /// Logits divided by this (Granite).
-    #[serde(default)]
     pub logits_scaling: Option<toml::Value>,
 }
 
@@ -285,20 +269,15 @@ pub struct ModelSpec {
 #[serde(deny_unknown_fields)]
 pub struct LayersSpec {
     /// Number of layers (`"$param"`), unless `codes` gives them.
-    #[serde(default)]
     pub count: Option<toml::Value>,
     /// Kinds repeated over the layers.
-    #[serde(default)]
     pub pattern: Option<Vec<String>>,
     /// Every `every`-th layer is `on`, the others `off`.
-    #[serde(default)]
     pub interval: Option<IntervalRule>,
     /// One code per layer from a config string or list.
-    #[serde(default)]
     pub codes: Option<CodesRule>,
     /// The feed-forward of the blocks whose `[blocks.<name>]` does not set
     /// `ffn`: a fixed kind or a MoE rule.
-    #[serde(default)]
     pub ffn: Option<MlpRule>,
     /// Options set on the layers a config list marks.
     #[serde(default, rename = "where")]
@@ -350,10 +329,8 @@ pub struct MoeRule {
     /// Expert count (`"$param"`).
     pub experts: toml::Value,
     /// MoE every this many layers (`"$param"`, default 1).
-    #[serde(default)]
     pub sparse_step: Option<toml::Value>,
     /// Layers that stay dense (`"$param"`).
-    #[serde(default)]
     pub dense_layers: Option<toml::Value>,
 }
 
@@ -374,48 +351,35 @@ pub struct WhereRule {
 #[serde(deny_unknown_fields)]
 pub struct SanitizeStep {
     /// Drop tensors whose name starts with any of these.
-    #[serde(default)]
     pub drop_prefix: Option<Vec<String>>,
     /// Drop tensors whose name contains any of these.
-    #[serde(default)]
     pub drop_containing: Option<Vec<String>>,
     /// Drop the module `{x}` (`{x}.*` and `{x}` itself).
-    #[serde(default)]
     pub drop_module: Option<String>,
     /// Rename the prefix `[from, to]`.
-    #[serde(default)]
     pub rename_prefix: Option<[String; 2]>,
     /// Prefix every name that does not start with it already.
-    #[serde(default)]
     pub add_prefix: Option<String>,
     /// Rename a run of dotted name parts wherever it stands, `[from, to]`:
     /// `["mlp.gate_up_proj", "mlp.gate_proj+up_proj"]` turns
     /// `model.layers.0.mlp.gate_up_proj.weight` into
     /// `model.layers.0.mlp.gate_proj+up_proj.weight` (a fused name mlex
     /// loads as one product).
-    #[serde(default)]
     pub rename_part: Option<[String; 2]>,
     /// PyTorch conv `[C, 1, K]` → MLX `[C, K, 1]` for `*{x}*weight`.
-    #[serde(default)]
     pub conv_to_mlx: Option<String>,
     /// Add 1 to 1-D norm weights ending in any of these (offset norms).
-    #[serde(default)]
     pub norm_plus_one: Option<Vec<String>>,
     /// Stack per-expert weights into `switch_mlp`.
-    #[serde(default)]
     pub stack_experts: Option<StackExperts>,
     /// Split fused `experts.gate_up_proj` under `{prefix}` (with `{i}`).
-    #[serde(default)]
     pub split_fused_experts: Option<String>,
     /// Run only when this boolean parameter is true (`"$param"`).
-    #[serde(default)]
     pub when: Option<String>,
     /// Run only when some tensor of the checkpoint as read ends with this.
-    #[serde(default)]
     pub if_tensor_ending: Option<String>,
     /// Run only when the checkpoint as read has PyTorch-layout convs named
     /// `*{x}*weight` (it was not sanitized before).
-    #[serde(default)]
     pub if_torch_conv: Option<String>,
 }
 

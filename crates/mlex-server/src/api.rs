@@ -22,7 +22,6 @@ pub struct ChatMessage {
     pub role: String,
     /// The text: a string, a list of text parts, or null (an assistant
     /// turn that only calls tools).
-    #[serde(default)]
     pub content: Option<Content>,
     /// An assistant turn's tool calls.
     pub tool_calls: Option<Vec<ToolCallIn>>,

@@ -44,15 +44,12 @@ pub struct Fixture {
     pub notes: String,
     /// A directory of architecture specs (relative to the repository root)
     /// the fixture's `model_type` needs: one no built-in serves.
-    #[serde(default)]
     pub arch_dir: Option<String>,
     /// The reference of the checkpoint's multi-token-prediction head
     /// (`xtask/py/mtp_ref.py`), when it has one.
-    #[serde(default)]
     pub mtp_reference: Option<String>,
     /// mlx-lm's traces with a quantized KV cache (`xtask/py/kvq_ref.py`),
     /// when the fixture has them.
-    #[serde(default)]
     pub kv_reference: Option<String>,
 }
 

@@ -55,7 +55,6 @@ pub struct GgufSpec {
     pub prefix: String,
     /// The config nests under this key, beside the top's `model_type` and
     /// `tie_word_embeddings` (Qwen3.5's `text_config`).
-    #[serde(default)]
     pub nest: Option<String>,
     /// Tensors llama.cpp stores reordered, split or transformed, by name
     /// after `blk.N.` (`attn_qkv.weight`, `ssm_a`); the rest are renamed by
@@ -73,17 +72,14 @@ pub struct GgufSpec {
     /// The config entry counting the multi-token-prediction blocks
     /// llama.cpp keeps after the trunk (`blk.{n_layer + i}`, their head's
     /// tensors `nextn.*`): they load as the checkpoint's `mtp.*`.
-    #[serde(default)]
     pub mtp_blocks: Option<String>,
     /// A layer-pattern string from per-layer metadata arrays (NemotronH).
-    #[serde(default)]
     pub layer_pattern: Option<LayerPattern>,
     /// Tensors (after `blk.N.`) mlex cannot read, with the reason.
     #[serde(default)]
     pub unsupported: BTreeMap<String, String>,
     /// The `model_type` a file of this architecture gets when it is not the
     /// spec's own (one of its `[[also]]`).
-    #[serde(default)]
     pub model_type: Option<String>,
     /// Other `general.architecture`s this spec reads: each table's entries
     /// over these (`[gguf.also.qwen35moe]`).

@@ -62,10 +62,8 @@ pub struct AttentionOptions {
     /// Query heads.
     pub num_attention_heads: i32,
     /// Key/value heads (default: as many as query heads).
-    #[serde(default)]
     pub num_key_value_heads: Option<i32>,
     /// Head size (default: `hidden_size / num_attention_heads`).
-    #[serde(default)]
     pub head_dim: Option<i32>,
     /// Epsilon of the q/k norms.
     #[serde(default = "crate::block::default_eps")]
@@ -92,23 +90,18 @@ pub struct AttentionOptions {
     #[serde(default)]
     pub rope_traditional: bool,
     /// Fraction of head dims rotated (default 1).
-    #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
     /// RoPE base (default 10000).
-    #[serde(default)]
     pub rope_theta: Option<f64>,
     /// RoPE scaling object (`type`/`rope_type` default, linear, llama3, mrope).
-    #[serde(default)]
     pub rope_scaling: Option<Value>,
     /// Use the layer's `rotary_emb.inv_freq` tensor when present.
     #[serde(default)]
     pub rope_inv_freq: bool,
     /// Sliding window (rotating cache) size.
-    #[serde(default)]
     pub sliding_window: Option<usize>,
     /// The attention scale (default `head_dim^-1/2`; Granite's
     /// `attention_multiplier`).
-    #[serde(default)]
     pub scale: Option<f64>,
     /// Queries and keys in float32 for the attention product, its output
     /// cast back to the values' dtype (mlx-lm's StableLM); the cache keeps
@@ -117,7 +110,6 @@ pub struct AttentionOptions {
     pub attention_f32: bool,
     /// Canon convolutions (DharaAR): this mixer's positions A and B (the
     /// block takes C and D from the same option).
-    #[serde(default)]
     pub canon: Option<CanonOptions>,
 }
 

@@ -56,7 +56,6 @@ pub struct Mamba2Options {
     #[serde(default = "d_true")]
     pub use_conv_bias: bool,
     /// The clip range of `dt` (default: none).
-    #[serde(default)]
     pub time_step_limit: Option<Vec<f64>>,
     /// Epsilon of the gated, grouped RMS norm.
     #[serde(default = "crate::block::default_eps")]

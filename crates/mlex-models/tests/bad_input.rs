@@ -391,6 +391,12 @@ fn malformed_toml_architectures_are_named() {
     }
 }
 
+/// The text of `path`, relative to this crate's folder (its specs, the
+/// workspace's examples).
+fn crate_file(path: &str) -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap()
+}
+
 /// Asserts the checkpoint in `dir`, read with `registry`, is served as
 /// `arch` and gives the full-prompt logits of fixture `f`'s mlx-lm
 /// reference within 1e-4.
@@ -612,10 +618,7 @@ fn hybrid_gguf_metadata_that_contradicts_itself_names_the_key() {
 fn broken_specs_say_where_and_what() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("bad.toml");
-    let base = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/specs/hybrid_mix.toml"),
-    )
-    .unwrap();
+    let base = crate_file("../../examples/specs/hybrid_mix.toml");
     let build = |text: &str| {
         std::fs::write(&p, text).unwrap();
         mlex_models::build_registry(std::slice::from_ref(&p))
@@ -696,11 +699,8 @@ fn a_bad_norm_type_and_unsupported_stablelm_variants_are_named() {
     // An unknown norm in a spec: located, with the choices.
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("bad_norm.toml");
-    let base = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("architectures/stablelm.toml"),
-    )
-    .unwrap()
-    .replace("model_type = \"stablelm\"", "model_type = \"stablelm_bad\"");
+    let base = crate_file("architectures/stablelm.toml")
+        .replace("model_type = \"stablelm\"", "model_type = \"stablelm_bad\"");
     std::fs::write(
         &p,
         base.replace(
@@ -948,11 +948,7 @@ fn extends_merges_tables_and_appends_sanitize_steps() {
     assert_mentions(&e, &["replace", "list"]);
     let e = logits_with(&format!("{head}replace = [\"kinds.mamba2\"]\n")).unwrap_err();
     assert_mentions(&e, &["qwen2_renamed.toml", "kinds.mamba2", "qwen2"]);
-    let base = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("architectures/qwen2.toml"),
-    )
-    .unwrap()
-    .replace(
+    let base = crate_file("architectures/qwen2.toml").replace(
         "model_type = \"qwen2\"",
         "model_type = \"qwen2_renamed\"\nreplace = [\"sanitize\"]",
     );

@@ -266,6 +266,19 @@ impl Ffn {
             }
             _ => s.moe_intermediate,
         };
+        // The experts' matrix `switch_mlp.{name}`, split as `split` says:
+        // into the inner width (`Output`) or out of it (`Input`).
+        let experts = |ld: &mut WeightLoader, name: &str, split: Split| {
+            let (from, to) = if split == Split::Input {
+                (moe_inner, s.hidden)
+            } else {
+                (s.hidden, moe_inner)
+            };
+            let name = path(&format!("switch_mlp.{name}"));
+            ld.with_split(split, |ld| {
+                SwitchLinear::load(ld, &name, s.experts, from, to)
+            })
+        };
         let reduce = ld.shard().cloned();
         Ok(match s.kind {
             FfnKind::Swiglu => Ffn::SwiGlu {
@@ -291,7 +304,6 @@ impl Ffn {
             },
             FfnKind::QwenMoe => {
                 let e = s.experts;
-                let m = moe_inner;
                 let shared = match shared_expert(ld, FfnKind::Swiglu, "shared_expert")? {
                     Some(ffn) => Some((
                         ffn,
@@ -301,15 +313,9 @@ impl Ffn {
                 };
                 Ffn::QwenMoe(QwenMoe {
                     gate: Linear::load(ld, &path("gate"), s.hidden, e, false)?,
-                    gate_proj: ld.with_split(Split::Output, |ld| {
-                        SwitchLinear::load(ld, &path("switch_mlp.gate_proj"), e, s.hidden, m)
-                    })?,
-                    up_proj: ld.with_split(Split::Output, |ld| {
-                        SwitchLinear::load(ld, &path("switch_mlp.up_proj"), e, s.hidden, m)
-                    })?,
-                    down_proj: ld.with_split(Split::Input, |ld| {
-                        SwitchLinear::load(ld, &path("switch_mlp.down_proj"), e, m, s.hidden)
-                    })?,
+                    gate_proj: experts(ld, "gate_proj", Split::Output)?,
+                    up_proj: experts(ld, "up_proj", Split::Output)?,
+                    down_proj: experts(ld, "down_proj", Split::Input)?,
                     top_k: s.top_k,
                     norm_topk_prob: s.norm_topk_prob,
                     shared,
@@ -318,17 +324,12 @@ impl Ffn {
             }
             FfnKind::NemotronMoe => {
                 let e = s.experts;
-                let m = moe_inner;
                 let shared = shared_expert(ld, FfnKind::Relu2, "shared_experts")?;
                 Ffn::NemotronMoe(NemotronMoe {
                     gate_weight: ld.take(&path("gate.weight"), &[e, s.hidden])?,
                     correction_bias: ld.take(&path("gate.e_score_correction_bias"), &[e])?,
-                    fc1: ld.with_split(Split::Output, |ld| {
-                        SwitchLinear::load(ld, &path("switch_mlp.fc1"), e, s.hidden, m)
-                    })?,
-                    fc2: ld.with_split(Split::Input, |ld| {
-                        SwitchLinear::load(ld, &path("switch_mlp.fc2"), e, m, s.hidden)
-                    })?,
+                    fc1: experts(ld, "fc1", Split::Output)?,
+                    fc2: experts(ld, "fc2", Split::Input)?,
                     top_k: s.top_k,
                     n_group: s.n_group.max(1),
                     topk_group: s.topk_group.max(1),

@@ -19,9 +19,8 @@
 //! the norm in front and the residuals and feed-forward after; a block whose
 //! mixer keeps no growing cache is one pure phase.
 
-use crate::layers::canon::{Canon, CanonOptions};
+use crate::layers::canon::{self, Canon, CanonOptions};
 use crate::layers::ffn::{Ffn, FfnKind, FfnSpec};
-use mlex_cache::StateCache;
 use mlex_core::cache::Cache;
 use mlex_core::distributed::Split;
 use mlex_core::error::{Error, Result};
@@ -353,13 +352,7 @@ impl Block {
             hidden,
             intermediate,
         };
-        if let Some(c) = o
-            .canon
-            .as_ref()
-            .map(|c| c.checked(ctx))
-            .transpose()?
-            .flatten()
-        {
+        if let Some(c) = CanonOptions::enabled(&o.canon, ctx)? {
             block.canon_kernel = c.kernel;
             if c.set.contains('C') {
                 let name = ctx.path("canon_c.conv");
@@ -512,14 +505,12 @@ impl Layer for Block {
             None => Vec::new(),
         };
         let windows = self.canon_windows();
-        if !windows.is_empty() {
-            out.push(Box::new(StateCache::conv_windows(
-                batch,
-                self.canon_kernel,
-                &windows,
-                dtype,
-            )?));
-        }
+        out.extend(canon::windows_cache(
+            batch,
+            self.canon_kernel,
+            &windows,
+            dtype,
+        )?);
         Ok(out)
     }
 

@@ -12,11 +12,11 @@
 //! norm]; `grow` = RoPE at the cache offset, [q/k norm], KV write, SDPA;
 //! after the cache = [gate], o_proj.
 
-use super::canon::{Canon, CanonOptions};
+use super::canon::{self, Canon, CanonOptions};
 use super::rope::Rope;
 use super::sdpa::{attend, quantized_attend, AttendPolicy};
 use crate::block::size;
-use mlex_cache::{KvCache, RotatingKvCache, StateCache};
+use mlex_cache::{KvCache, RotatingKvCache};
 use mlex_core::cache::{Cache, KvRead};
 use mlex_core::distributed::Split;
 use mlex_core::error::{Error, Result};
@@ -288,13 +288,7 @@ impl Attention {
             None
         };
         let (mut canon_a, mut canon_b, mut kernel) = (None, None, 0);
-        if let Some(c) = o
-            .canon
-            .as_ref()
-            .map(|c| c.checked(ctx))
-            .transpose()?
-            .flatten()
-        {
+        if let Some(c) = CanonOptions::enabled(&o.canon, ctx)? {
             kernel = c.kernel;
             if c.set.contains('A') {
                 canon_a = Some(Canon::load(
@@ -485,14 +479,7 @@ impl Mixer for Attention {
         };
         let mut out = vec![kv];
         let windows = self.canon_windows();
-        if !windows.is_empty() {
-            out.push(Box::new(StateCache::conv_windows(
-                batch,
-                self.kernel,
-                &windows,
-                dtype,
-            )?));
-        }
+        out.extend(canon::windows_cache(batch, self.kernel, &windows, dtype)?);
         Ok(out)
     }
 

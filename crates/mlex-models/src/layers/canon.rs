@@ -7,13 +7,14 @@
 //! belong to the attention mixer, C and D to the block around it; both
 //! take the same `canon` option and use their own positions.
 
-use mlex_cache::conv_window_into;
+use mlex_cache::{conv_window_into, StateCache};
+use mlex_core::cache::Cache;
 use mlex_core::error::Result;
 use mlex_core::layer::{BuildCtx, State};
 use mlex_core::nn::{silu, DepthwiseConv};
 use mlex_core::params::{ParamId, Params};
 use mlex_core::weights::WeightLoader;
-use mlx_rs::{ops, Array};
+use mlx_rs::{ops, Array, Dtype};
 use serde::Deserialize;
 
 /// The `canon` option: which positions, and how each convolution works.
@@ -46,6 +47,19 @@ impl CanonOptions {
             set,
             ..self.clone()
         }))
+    }
+
+    /// A layer's `canon` option [`checked`](CanonOptions::checked): the
+    /// options when it names positions.
+    pub fn enabled(
+        option: &Option<CanonOptions>,
+        ctx: &BuildCtx<'_>,
+    ) -> Result<Option<CanonOptions>> {
+        Ok(option
+            .as_ref()
+            .map(|c| c.checked(ctx))
+            .transpose()?
+            .flatten())
     }
 }
 
@@ -94,4 +108,20 @@ impl Canon {
         }
         Ok(y)
     }
+}
+
+/// The cache of a layer's canon convolution windows, one per `(name,
+/// channels)` in state order ([`StateCache::conv_windows`]); none when the
+/// layer has no canon positions.
+pub fn windows_cache(
+    batch: usize,
+    kernel: i32,
+    windows: &[(&str, i32)],
+    dtype: Dtype,
+) -> Result<Option<Box<dyn Cache>>> {
+    if windows.is_empty() {
+        return Ok(None);
+    }
+    let cache = StateCache::conv_windows(batch, kernel, windows, dtype)?;
+    Ok(Some(Box::new(cache)))
 }

@@ -61,17 +61,18 @@ inventory::collect!(CacheKindEntry);
 
 /// Registers how a saved cache of a kind is rebuilt:
 /// `register_cache_kind!("kv", "attention keys and values", |t| Ok(Box::new(KvCache::from_tensors(t)?)));`
+/// One invocation may register several kinds, separated by `;`.
 #[macro_export]
 macro_rules! register_cache_kind {
-    ($name:literal, $summary:literal, $restore:expr) => {
-        $crate::inventory::submit! {
+    ($($name:literal, $summary:literal, $restore:expr);+ $(;)?) => {
+        $($crate::inventory::submit! {
             $crate::registry::CacheKindEntry {
                 name: $name,
                 origin: module_path!(),
                 summary: $summary,
                 restore: $restore,
             }
-        }
+        })+
     };
 }
 

@@ -449,6 +449,22 @@ fn expert_input(x: &Array) -> Result<Array> {
     Ok(ops::reshape(x, &shape)?)
 }
 
+/// The experts' outputs `y` (`[.., top_k, 1, hidden]`) weighted by their
+/// routing `weights` (`[.., top_k]`) and summed, in `y`'s dtype; summed over
+/// the group's devices under `--tp` (each holds a slice of every expert's inner
+/// width, so each output is partial).
+fn weighted_sum(y: &Array, weights: &Array, reduce: Option<&Shard>) -> Result<Array> {
+    let y = ops::squeeze_axes(y, &[-2])?;
+    let dtype = y.dtype();
+    let y = ops::multiply(&y, weights.expand_dims(-1)?)?
+        .sum_axis(-2, false)?
+        .as_dtype(dtype)?;
+    Ok(match reduce {
+        Some(shard) => shard.all_sum(&y)?,
+        None => y,
+    })
+}
+
 /// Indices of the `k` largest entries of the last axis (any order), as
 /// `argpartition(x, kth=-k)[..., -k:]`.
 fn top_k_indices(x: &Array, k: i32) -> Result<Array> {
@@ -469,14 +485,7 @@ impl QwenMoe {
         let up = self.up_proj.forward(p, &xe, &inds)?;
         let gate = self.gate_proj.forward(p, &xe, &inds)?;
         let y = self.down_proj.forward(p, &swiglu(&gate, &up)?, &inds)?;
-        let y = ops::squeeze_axes(&y, &[-2])?;
-        let dtype = y.dtype();
-        let mut y = ops::multiply(&y, scores.expand_dims(-1)?)?
-            .sum_axis(-2, false)?
-            .as_dtype(dtype)?;
-        if let Some(shard) = &self.reduce {
-            y = shard.all_sum(&y)?;
-        }
+        let mut y = weighted_sum(&y, &scores, self.reduce.as_ref())?;
         if let Some((shared, gate)) = &self.shared {
             let s = shared.forward(p, x, None)?;
             let g = ops::sigmoid(gate.forward(p, x)?)?;
@@ -517,14 +526,7 @@ impl NemotronMoe {
         w = ops::multiply(&w, Array::from_f32(self.routed_scaling))?;
         let xe = expert_input(x)?;
         let h = relu2(&self.fc1.forward(p, &xe, &inds)?)?;
-        let y = ops::squeeze_axes(self.fc2.forward(p, &h, &inds)?, &[-2])?;
-        let dtype = y.dtype();
-        let mut y = ops::multiply(&y, w.expand_dims(-1)?)?
-            .sum_axis(-2, false)?
-            .as_dtype(dtype)?;
-        if let Some(shard) = &self.reduce {
-            y = shard.all_sum(&y)?;
-        }
+        let mut y = weighted_sum(&self.fc2.forward(p, &h, &inds)?, &w, self.reduce.as_ref())?;
         if let Some(shared) = &self.shared {
             y = ops::add(&y, shared.forward(p, x, None)?)?;
         }

@@ -12,7 +12,10 @@ mlex again, ...), each run in its own process with a timeout:
   ``mlex bench``: random prompt ids, greedy, a warm-up run, the best of R).
 
 4-bit means quantized on load by each engine (affine, group 64) from the
-bf16 checkpoint. A run that fails or times out is recorded as such (its
+bf16 checkpoint; the real-size shapes (``real_shapes.py``: MoE hybrids of
+30-80B and a 9B hybrid, a fraction of their layers) are written 4-bit and
+run as they are (their only weights: 4). mlx-lm's quantized MoE layers run
+on MLX 0.32.2 through ``mlxlm_compat.py``. A run that fails or times out is recorded as such (its
 pair then has no ratio); the harness goes on.
 
 Per case it reports the median over pairs of the ratio mlex / mlx-lm of
@@ -54,6 +57,13 @@ def default_prompt_lens(shape: str, scale: str) -> list[int]:
     scale (a CPU run of minutes) 128 and 512, plus 2048 for the hybrids."""
     base, long = ([128, 4096], 16384) if scale == "real" else ([128, 512], 2048)
     return base + ([long] if shape in models.HYBRIDS else [])
+
+
+def shape_quants(model: Path, quants: list[str]) -> list[str]:
+    """The weights a case list runs for a checkpoint: ``quants``, or for one
+    written quantized only its own bits."""
+    bits = models.checkpoint_bits(model)
+    return quants if bits is None else [str(bits)]
 
 
 def last_json(text: str):
@@ -128,7 +138,7 @@ def ours_cmd(a, model: Path, prompt_len: int, quant: str, batch: int | None = No
     ]
     if batch is not None:
         cmd += ["--batch", str(batch)]
-    if quant != "bf16":
+    if quant != "bf16" and models.checkpoint_bits(model) is None:
         cmd += ["--quantize", quant, "--group-size", "64"]
     return cmd + a.mlex_arg
 
@@ -142,7 +152,7 @@ def theirs_cmd(a, model: Path, prompt_len: int, quant: str, batch: int | None = 
     ]
     if batch is not None:
         cmd += ["--batch", str(batch)]
-    if quant != "bf16":
+    if quant != "bf16" and models.checkpoint_bits(model) is None:
         cmd += ["--quantize", quant]
     return cmd
 
@@ -276,13 +286,24 @@ def markdown(result: dict) -> str:
                 e = s[eng]
                 notes.append(
                     f"- {c['shape']} {weights} {label} {c[key]}: {eng} "
-                    f"{e['runs'] - e['runs_ok']} of {e['runs']} runs {'/'.join(e['failures'])}"
+                    f"{e['runs'] - e['runs_ok']} of {e['runs']} runs {'/'.join(e['failures'])}: "
+                    + failure_reason(c["runs"], eng)
                 )
     if result.get("skipped"):
         notes.append(f"- not run (deadline): {', '.join(result['skipped'])}")
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
+
+
+def failure_reason(runs: list[dict], engine: str) -> str:
+    """Why ``engine``'s first failed run failed: its error and the last line
+    of its stderr (a Python exception, mlex's error), for the table's notes."""
+    for r in runs:
+        if r["engine"] == engine and not r["ok"]:
+            tail = (r.get("stderr_tail") or "").strip().splitlines()
+            return r["error"] + (f" ({tail[-1][:300]})" if tail else "")
+    return ""
 
 
 def version_of(cmd: list[str]) -> str:
@@ -356,7 +377,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench-vs-mlxlm", help="PREFIX for PREFIX.json and PREFIX.md (or a folder)")
     a = p.parse_args(argv)
 
-    shapes = parse_list(a.shapes, "shape", models.SHAPES)
+    shapes = parse_list(a.shapes, "shape", models.SHAPES + models.REAL_SIZE)
     quants = parse_list(a.quants, "weights", QUANTS)
     fixed_lens = [int(x) for x in parse_list(a.prompt_lens, "prompt length")] if a.prompt_lens else None
     a.mlex = a.mlex.resolve()
@@ -400,12 +421,14 @@ def main(argv=None) -> int:
     if batches:
         plen = (fixed_lens or [128])[0]
         result["meta"].update(batches=batches, prompt_len=plen)
-        cases = [(s, q, plen, b) for s in shapes for q in quants for b in batches]
+        cases = [
+            (s, q, plen, b) for s in shapes for q in shape_quants(a.models / f"{s}-{a.scale}", quants) for b in batches
+        ]
     else:
         cases = [
             (s, q, n, None)
             for s in shapes
-            for q in quants
+            for q in shape_quants(a.models / f"{s}-{a.scale}", quants)
             for n in (fixed_lens or default_prompt_lens(s, a.scale))
         ]
     start = time.monotonic()

@@ -10,6 +10,10 @@ load (``mlex bench --quantize 4``, mlx-lm ``quantize_model``, group 64).
 
     python make_bench_models.py OUT_DIR [--scale tiny|small|host|real] [--shapes qwen3-0.6b,qwen3_5,nemotron_h] [--force]
 
+The real-size shapes of ``real_shapes.py`` (``--shapes qwen3_next-80b-a3b,
+qwen3_5_moe-35b-a3b,nemotron_h-30b-a3b,qwen3_5-9b``, scales real and tiny)
+are written 4-bit with a fraction of their layers, and need mlx-lm too.
+
 Writes ``OUT_DIR/<shape>-<scale>/``. A model whose ``bench_model.json`` stamp
 matches what would be written is kept (rerunning does no work).
 
@@ -47,12 +51,18 @@ import sys
 import zlib
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_shapes  # noqa: E402
+
 SEED = 0
 # Bump when the weights or configs written for an unchanged shape change.
 MAKER_VERSION = 1
 
 SHAPES = ("qwen3-0.6b", "qwen3_5", "nemotron_h")
 HYBRIDS = ("qwen3_5", "nemotron_h")
+# The sizes people run (real_shapes.py): MoE hybrids and a 9B hybrid, written
+# 4-bit with a fraction of their layers; made only when asked for.
+REAL_SIZE = real_shapes.SHAPES
 # For mlex alone (mlx-lm does not load `mtp.*`): qwen3_5 with a random
 # multi-token-prediction head.
 MLEX_ONLY = ("qwen3_5-mtp",)
@@ -176,7 +186,10 @@ def nemotron_h_config(d: dict) -> dict:
 
 
 def config(shape: str, scale: str) -> dict:
-    """The ``config.json`` of ``shape`` at ``scale``."""
+    """The ``config.json`` of ``shape`` at ``scale`` (of a real-size shape:
+    before quantization)."""
+    if shape in REAL_SIZE:
+        return real_shapes.config(shape, scale)
     d = DIMS[scale]
     return {
         "qwen3-0.6b": qwen3_config,
@@ -358,20 +371,33 @@ def draw(name: str, shape: tuple, seed: int):
     elif name.endswith(("embed_tokens.weight", "embeddings.weight")):
         a = 0.1 * n
     else:
-        # [out, in] matrices; depthwise conv1d [channels, kernel, 1]
-        fan_in = shape[1]
+        # [out, in] matrices, stacked experts [experts, out, in]; depthwise
+        # conv1d [channels, kernel, 1]
+        fan_in = shape[-1] if len(shape) == 3 and shape[-1] != 1 else shape[1]
         a = n * (fan_in**-0.5)
     return a.astype(mx.bfloat16)
 
 
 def stamp(shape: str, scale: str, seed: int) -> dict:
-    return {
+    s = {
         "shape": shape,
         "scale": scale,
         "seed": seed,
         "maker_version": MAKER_VERSION,
         "config": config(shape, scale),
     }
+    if shape in REAL_SIZE:
+        s.update(bits=real_shapes.BITS, group_size=real_shapes.GROUP_SIZE, layers_of=real_shapes.DEPTH[shape][1])
+    return s
+
+
+def checkpoint_bits(path: Path) -> int | None:
+    """The bits of a checkpoint written quantized (the real-size shapes),
+    from its stamp; None for a bf16 one."""
+    try:
+        return json.loads((path / "bench_model.json").read_text()).get("bits")
+    except (OSError, json.JSONDecodeError):
+        return None
 
 
 def make(shape: str, scale: str, out_dir: Path, *, seed: int = SEED, force: bool = False) -> Path:
@@ -395,16 +421,21 @@ def make(shape: str, scale: str, out_dir: Path, *, seed: int = SEED, force: bool
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
     cfg = want["config"]
-    weights = {}
-    for name, shp in sorted(weight_shapes(shape, cfg).items()):
-        t = draw(name, shp, seed)
-        mx.eval(t)
-        weights[name] = t
-    mx.save_safetensors(str(partial / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (partial / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    params = sum(v.size for v in weights.values())
-    nbytes = sum(v.nbytes for v in weights.values())
-    del weights
+    if shape in REAL_SIZE:
+        sizes = real_shapes.write(cfg, partial, draw, seed)
+        params, nbytes = sizes["params"], sizes["nbytes"]
+        (partial / "sizes.json").write_text(json.dumps(sizes, indent=2) + "\n")
+    else:
+        weights = {}
+        for name, shp in sorted(weight_shapes(shape, cfg).items()):
+            t = draw(name, shp, seed)
+            mx.eval(t)
+            weights[name] = t
+        mx.save_safetensors(str(partial / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (partial / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        params = sum(v.size for v in weights.values())
+        nbytes = sum(v.nbytes for v in weights.values())
+        del weights
     (partial / "bench_model.json").write_text(json.dumps(want, indent=2) + "\n")
     if path.exists():
         shutil.rmtree(path)
@@ -422,9 +453,12 @@ def main(argv=None) -> None:
     p.add_argument("--force", action="store_true", help="rewrite even when up to date")
     a = p.parse_args(argv)
     shapes = [s for s in a.shapes.split(",") if s]
+    known = SHAPES + MLEX_ONLY + REAL_SIZE
     for s in shapes:
-        if s not in SHAPES + MLEX_ONLY:
-            p.error(f"unknown shape {s!r} (known: {', '.join(SHAPES + MLEX_ONLY)})")
+        if s not in known:
+            p.error(f"unknown shape {s!r} (known: {', '.join(known)})")
+        if s in REAL_SIZE and a.scale not in real_shapes.SCALES:
+            p.error(f"{s} is made at --scale {' or '.join(real_shapes.SCALES)}, not {a.scale}")
     for s in shapes:
         make(s, a.scale, a.out, seed=a.seed, force=a.force)
 

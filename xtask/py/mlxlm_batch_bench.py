@@ -23,6 +23,8 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load_model
 
+from mlxlm_compat import patch as compat_patch
+
 
 def once(model, vocab, b, prompt_len, gen, seed):
     rng = np.random.default_rng(seed)
@@ -62,6 +64,7 @@ def main():
     p.add_argument("--quantize", type=int, help="quantize on load to this many bits (group 64)")
     a = p.parse_args()
     mx.set_default_device(mx.cpu if a.device == "cpu" else mx.gpu)
+    compat = compat_patch()
     model, cfg = load_model(pathlib.Path(a.model))
     if a.quantize:
         from mlx_lm.utils import quantize_model
@@ -71,7 +74,7 @@ def main():
     mx.reset_peak_memory()
     best = min((once(model, vocab, a.batch, a.prompt_len, a.gen, 0) for _ in range(max(a.repeats, 1))),
                key=lambda r: r["seconds"])
-    best.update(batch=a.batch, peak_memory_bytes=mx.get_peak_memory(), mlx=mx.__version__,
+    best.update(batch=a.batch, peak_memory_bytes=mx.get_peak_memory(), mlx=mx.__version__, compat=compat,
                 device=str(mx.default_device()))
     print(json.dumps(best))
 

@@ -19,6 +19,8 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
+from mlxlm_compat import patch as compat_patch
+
 
 def run(model, prompt, n, kv):
     t0 = time.perf_counter()
@@ -51,6 +53,7 @@ def main():
     if a.max_kv_size:
         kv["max_kv_size"] = a.max_kv_size
     mx.set_default_device(mx.cpu if a.device == "cpu" else mx.gpu)
+    compat = compat_patch()
     model, cfg = load_model(__import__("pathlib").Path(a.model))
     if a.quantize:
         from mlx_lm.utils import quantize_model
@@ -62,7 +65,7 @@ def main():
     best = max((run(model, prompt, a.gen, kv) for _ in range(max(a.repeats, 1))), key=lambda r: r[1])
     print(json.dumps({
         "prefill_tok_s": best[0], "decode_tok_s": best[1], "generated_tokens": best[2],
-        "peak_memory_bytes": mx.get_peak_memory(), "mlx": mx.__version__,
+        "peak_memory_bytes": mx.get_peak_memory(), "mlx": mx.__version__, "compat": compat,
         "device": str(mx.default_device()), "kv_bits": a.kv_bits, "max_kv_size": a.max_kv_size,
     }))
 

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+from mlxlm_compat import patch as compat_patch
 import mlx.nn as nn
 import numpy as np
 
@@ -136,6 +137,7 @@ def cmd_perplexity(a) -> None:
 
 
 def main() -> None:
+    compat_patch()
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("logits")

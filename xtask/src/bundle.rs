@@ -3,7 +3,8 @@
 //! points the binary at a CUDA build of the same MLX version; plus the GPU
 //! side of `cargo xtask bench-vs-mlxlm`: `bench-vs-mlxlm.sh` with the Python
 //! scripts it runs (`bench_vs_mlxlm.py`, `mlxlm_bench.py`,
-//! `mlxlm_batch_bench.py`, `make_bench_models.py`), which need python3 with mlx and mlx-lm, no cargo.
+//! `mlxlm_batch_bench.py`, `make_bench_models.py` with `real_shapes.py`,
+//! `mlxlm_compat.py`), which need python3 with mlx and mlx-lm, no cargo.
 
 use crate::{cargo, setup, workspace_root};
 use anyhow::{Context, Result};
@@ -55,6 +56,8 @@ pub fn cuda_bundle(args: &[String]) -> Result<PathBuf> {
         "xtask/py/mlxlm_bench.py",
         "xtask/py/mlxlm_batch_bench.py",
         "xtask/py/make_bench_models.py",
+        "xtask/py/real_shapes.py",
+        "xtask/py/mlxlm_compat.py",
     ] {
         let from = root.join(file);
         let name = from.file_name().context("a file name")?;

@@ -5,7 +5,7 @@
 # Qwen3.5-35B-A3B- and Nemotron-3-Nano-30B-A3B-like MoE hybrids and a
 # Qwen3.5-9B-like dense hybrid, each a stated fraction of its layers; made
 # once per machine, with their sizes.json: bytes read per decoded token),
-# the GPU's copy bandwidth (MLX, a 4 GiB bf16 array read and written, best
+# the GPU's copy bandwidth (MLX, a 2 GiB bf16 array read and written, best
 # of 5), then mlex against mlx-lm (bench_vs_mlxlm.py, PAIRS alternating pairs
 # a case, GEN tokens) in PHASES (default "p128 batch8 p4096", in that order):
 #   p128, p4096  one sequence at a prompt of 128 / 4,096 tokens;
@@ -35,7 +35,7 @@ PY
 python3 - > "$O/realsize/bandwidth.json" <<'PY'
 import json, time
 import mlx.core as mx
-a = mx.random.normal((1 << 31,)).astype(mx.bfloat16)
+a = mx.random.normal((1 << 14, 1 << 16)).astype(mx.bfloat16)
 mx.eval(a)
 best = None
 for _ in range(5):

@@ -163,29 +163,18 @@ def qwen3_5_config(d: dict, layers: int, *, moe: bool) -> dict:
 
 
 def nemotron_config(d: dict, layers: int) -> dict:
+    """make_bench_models' NemotronH config at these widths, with Nemotron 3
+    Nano's pattern and its experts."""
+    import make_bench_models as bench  # here: it imports this module
+
     pattern = NANO_PATTERN[:layers]
-    return dict(
-        model_type="nemotron_h",
-        vocab_size=d["nh_vocab"],
-        hidden_size=d["nh_hidden"],
-        intermediate_size=d["nh_expert"],
-        num_hidden_layers=len(pattern),
+    widths = {k: d[k] for k in ("nh_vocab", "nh_heads", "nh_head_dim", "mamba_heads", "mamba_head_dim",
+                                "mamba_groups", "ssm_state")}
+    c = bench.nemotron_h_config(dict(widths, layers=layers, hidden=d["nh_hidden"], nh_intermediate=d["nh_expert"],
+                                     nh_kv_heads=d["kv_heads"]))
+    c.update(
         hybrid_override_pattern=pattern,
-        max_position_embeddings=MAX_POSITIONS,
-        num_attention_heads=d["nh_heads"],
-        num_key_value_heads=d["kv_heads"],
-        head_dim=d["nh_head_dim"],
-        attention_bias=False,
-        mamba_num_heads=d["mamba_heads"],
-        mamba_head_dim=d["mamba_head_dim"],
-        mamba_proj_bias=False,
-        ssm_state_size=d["ssm_state"],
-        conv_kernel=4,
-        n_groups=d["mamba_groups"],
-        mlp_bias=False,
-        layer_norm_epsilon=1e-5,
-        use_bias=False,
-        use_conv_bias=True,
+        num_hidden_layers=len(pattern),
         n_routed_experts=128 if d["nh_hidden"] > 64 else 16,
         num_experts_per_tok=6,
         moe_intermediate_size=d["nh_expert"],
@@ -195,8 +184,8 @@ def nemotron_config(d: dict, layers: int) -> dict:
         topk_group=1,
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
-        tie_word_embeddings=False,
     )
+    return c
 
 
 def config(shape: str, scale: str) -> dict:

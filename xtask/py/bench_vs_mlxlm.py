@@ -55,7 +55,7 @@ QUANTS = ("bf16", "4")
 def default_prompt_lens(shape: str, scale: str) -> list[int]:
     """128 and 4096 for every shape, plus 16384 for the hybrids; at the tiny
     scale (a CPU run of minutes) 128 and 512, plus 2048 for the hybrids."""
-    base, long = ([128, 4096], 16384) if scale == "real" else ([128, 512], 2048)
+    base, long = ([128, 4096], 16384) if scale in ("real", "full") else ([128, 512], 2048)
     return base + ([long] if shape in models.HYBRIDS else [])
 
 
@@ -347,7 +347,8 @@ def main(argv=None) -> int:
     p.add_argument("--mlex", type=Path, required=True, help="the mlex binary")
     p.add_argument("--models", type=Path, required=True, help="folder of <shape>-<scale>/ checkpoints")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="for both engines (default cpu)")
-    p.add_argument("--scale", choices=sorted(models.DIMS), default="tiny", help="checkpoint sizes (default tiny)")
+    p.add_argument("--scale", choices=sorted(models.DIMS) + ["full"], default="tiny",
+                   help="checkpoint sizes (default tiny; full: the real-size shapes at their real depth)")
     p.add_argument("--pairs", type=int, default=5, help="mlex/mlx-lm run pairs per case (default 5)")
     p.add_argument(
         "--shapes", default=",".join(models.SHAPES), help=f"comma-separated (default: all: {', '.join(models.SHAPES)})"
@@ -387,7 +388,7 @@ def main(argv=None) -> int:
     if missing:
         raise SystemExit(
             f"bench_vs_mlxlm: no checkpoint for {', '.join(missing)} in {a.models}; make them with\n"
-            f"  {a.python} {HERE / 'make_bench_models.py'} {a.models} --scale {a.scale}"
+            f"  {a.python} {HERE / 'make_bench_models.py'} {a.models} --scale {a.scale} --shapes {','.join(missing)}"
         )
     json_path, md_path = out_paths(a.out)
     json_path.parent.mkdir(parents=True, exist_ok=True)

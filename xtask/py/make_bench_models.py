@@ -447,7 +447,8 @@ def make(shape: str, scale: str, out_dir: Path, *, seed: int = SEED, force: bool
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="folder for <shape>-<scale>/ checkpoints")
-    p.add_argument("--scale", choices=sorted(DIMS), default="tiny")
+    p.add_argument("--scale", choices=sorted(DIMS) + ["full"], default="tiny",
+                   help="full: the real-size shapes at their real depth")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--force", action="store_true", help="rewrite even when up to date")
@@ -459,6 +460,8 @@ def main(argv=None) -> None:
             p.error(f"unknown shape {s!r} (known: {', '.join(known)})")
         if s in REAL_SIZE and a.scale not in real_shapes.SCALES:
             p.error(f"{s} is made at --scale {' or '.join(real_shapes.SCALES)}, not {a.scale}")
+        if s not in REAL_SIZE and a.scale == "full":
+            p.error(f"--scale full is the real-size shapes' real depth ({', '.join(REAL_SIZE)}); {s} has --scale real")
     for s in shapes:
         make(s, a.scale, a.out, seed=a.seed, force=a.force)
 

@@ -1,8 +1,8 @@
 """The benchmark shapes at the sizes people run: three MoE hybrids of 30-80B
 parameters with about 3B active, and a 9B dense hybrid, written 4-bit (the
 way they are run: MLX-community checkpoints), with a stated fraction of
-their layers (per-layer cost is what an engine ratio needs; the full depth
-of an 80B model does not fit the GPU machine's disk at bf16 while it is made).
+their layers at the ``real`` scale (per-layer cost is what an engine ratio
+needs, and a run loads a few GB instead of tens) or all of them at ``full``.
 
 Used by ``make_bench_models.py`` (``--shapes qwen3_next-80b-a3b,...``) and
 ``bench_vs_mlxlm.py``. Unlike the 0.6B shapes, the tensors' names and shapes
@@ -13,8 +13,9 @@ mlx-lm's ``quantize_model`` (affine, group 64, 4 bits, with the model's own
 saves, so the layout is the one both engines load from the Hub. Needs mlx
 and mlx-lm (an mlx-lm whose MoE layers run on that MLX).
 
-Shapes (``real`` scale; ``tiny`` keeps each layer pattern and expert
-routing at widths of 64, for a CPU check of both engines in seconds):
+Shapes (``real`` scale; ``full`` is the same at the real depth; ``tiny``
+keeps each layer pattern and expert routing at widths of 64, for a CPU
+check of both engines in seconds):
 
 * ``qwen3_next-80b-a3b`` — Qwen3-Next-80B-A3B-like ``qwen3_next``: hidden
   2048, 512 experts of 512 (top 10) and a shared expert of 512 in every
@@ -38,7 +39,10 @@ from __future__ import annotations
 
 BITS = 4
 GROUP_SIZE = 64
-SCALES = ("real", "tiny")
+# ``real``: the real widths at the stated fraction of the layers; ``full``:
+# the real widths at the real depth (the 80B one is about 45 GB at 4 bits);
+# ``tiny``: the structure at width 64.
+SCALES = ("real", "full", "tiny")
 
 # The released Nemotron-3-Nano-30B-A3B's layer pattern (52 layers).
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
@@ -81,7 +85,8 @@ WIDTHS = (
     ("nh_expert", 1856, 64),
     ("nh_shared", 3712, 128),
 )
-DIMS = {scale: {name: values[i] for name, *values in WIDTHS} for i, scale in enumerate(SCALES)}
+DIMS = {scale: {name: values[i] for name, *values in WIDTHS} for i, scale in enumerate(("real", "tiny"))}
+DIMS["full"] = DIMS["real"]
 MAX_POSITIONS = 131072
 
 
@@ -193,7 +198,7 @@ def config(shape: str, scale: str) -> dict:
     quantization adds its block)."""
     if scale not in SCALES:
         raise ValueError(f"{shape} is made at the scales {', '.join(SCALES)}, not {scale!r}")
-    d, layers = DIMS[scale], DEPTH[shape][0]
+    d, layers = DIMS[scale], DEPTH[shape][1 if scale == "full" else 0]
     return {
         "qwen3_next-80b-a3b": lambda: qwen3_next_config(d, layers),
         "qwen3_5_moe-35b-a3b": lambda: qwen3_5_config(d, layers, moe=True),
@@ -206,9 +211,9 @@ def write(cfg: dict, path, draw, seed: int) -> dict:
     """mlx-lm's model of ``cfg`` with ``draw(name, shape, seed)``'s weights,
     quantized 4-bit as ``mlx_lm.convert -q`` does, saved to ``path``
     (``model.safetensors`` and ``config.json``). Returns the written
-    config. Tensors are drawn and evaluated a layer at a time (graphs of
-    one layer), then the whole model is quantized: the bf16 weights exist
-    whole once (8 of Qwen3-Next's layers: 27 GB, on a GPU of 80)."""
+    sizes. The draws and the quantization are one lazy graph, evaluated a
+    layer at a time: only one layer's bf16 weights exist at once, so a
+    full-depth 80B model is made in its 4-bit size (about 45 GB)."""
     import json
 
     import mlx.core as mx
@@ -218,19 +223,18 @@ def write(cfg: dict, path, draw, seed: int) -> dict:
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
     # The constructor's own random init stays lazy and is never evaluated.
-    names = [(n, p.shape) for n, p in tree_flatten(model.parameters())]
-    groups: dict[str, list] = {}
-    for name, shape in names:
-        parts = name.split(".")
-        key = ".".join(parts[: parts.index("layers") + 2]) if "layers" in parts else "rest"
-        groups.setdefault(key, []).append((name, shape))
-    for group in groups.values():
-        drawn = [(n, draw(n, tuple(s), seed)) for n, s in group]
-        model.update(tree_unflatten(drawn))
-        mx.eval([a for _, a in drawn])
+    drawn = [(n, draw(n, tuple(p.shape), seed)) for n, p in tree_flatten(model.parameters())]
+    model.update(tree_unflatten(drawn))
+    del drawn
     model, qcfg = quantize_model(model, cfg, GROUP_SIZE, BITS)
     weights = dict(tree_flatten(model.parameters()))
-    mx.eval(list(weights.values()))
+    groups: dict[str, list] = {}
+    for name, a in weights.items():
+        parts = name.split(".")
+        key = ".".join(parts[: parts.index("layers") + 2]) if "layers" in parts else "rest"
+        groups.setdefault(key, []).append(a)
+    for group in groups.values():
+        mx.eval(group)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
     return {

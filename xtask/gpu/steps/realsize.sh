@@ -18,19 +18,23 @@
 # archive in .mlx-cuda/ and the mlx / mlx-lm wheels in .whl/; writes
 # $OUT/realsize/{sizes.json,bandwidth.json,PHASE.json,PHASE.md}.
 #
-#   [SHAPES=...] [PHASES="p128 batch8 p4096"] bash xtask/gpu/run.sh realsize [PAIRS] [GEN] [TOTAL_S]
+# SCALE=full makes and runs them at their real depth instead (one shape a
+# call: Qwen3-Next-80B-A3B-like is about 45 GB at 4 bits).
+#
+#   [SHAPES=...] [SCALE=real|full] [PHASES="p128 batch8 p4096"] bash xtask/gpu/run.sh realsize [PAIRS] [GEN] [TOTAL_S]
 PAIRS=${1:-2}; GEN=${2:-128}; TOTAL=${3:-560}
 SHAPES=${SHAPES:-qwen3_next-80b-a3b,qwen3_5_moe-35b-a3b,nemotron_h-30b-a3b,qwen3_5-9b}
 PHASES=${PHASES:-p128 batch8 p4096}
+SCALE=${SCALE:-real}
 END=$(( $(date +%s) + TOTAL ))
 wheels
 mkdir -p "$O/realsize"
 t0=$(date +%s)
-python3 $B/make_bench_models.py /tmp/models --scale real --shapes "$SHAPES" 2>&1 | grep -v '^\[INFO\]'
+python3 $B/make_bench_models.py /tmp/models --scale "$SCALE" --shapes "$SHAPES" 2>&1 | grep -v '^\[INFO\]'
 echo "checkpoints ready after $(( $(date +%s) - t0 )) s"
-python3 - "$SHAPES" > "$O/realsize/sizes.json" <<'PY'
+python3 - "$SHAPES" "$SCALE" > "$O/realsize/sizes.json" <<'PY'
 import json, sys
-print(json.dumps({s: json.load(open(f"/tmp/models/{s}-real/sizes.json")) for s in sys.argv[1].split(",")}, indent=1))
+print(json.dumps({s: json.load(open(f"/tmp/models/{s}-{sys.argv[2]}/sizes.json")) for s in sys.argv[1].split(",")}, indent=1))
 PY
 python3 - > "$O/realsize/bandwidth.json" <<'PY'
 import json, time
@@ -52,10 +56,10 @@ while [ $# -gt 0 ]; do
   echo "phase $1: $share s of the $left s left"
   case "$1" in
     p128 | p4096)
-      vs_mlxlm --shapes "$SHAPES" --prompt-lens "${1#p}" --gen "$GEN" --pairs "$PAIRS" \
+      vs_mlxlm --scale "$SCALE" --shapes "$SHAPES" --prompt-lens "${1#p}" --gen "$GEN" --pairs "$PAIRS" \
         --timeout 150 --deadline "$share" --out "$O/realsize/$1" ;;
     batch8)
-      vs_mlxlm --shapes "$SHAPES" --batches 8 --prompt-lens 128 --gen "$GEN" --pairs "$PAIRS" \
+      vs_mlxlm --scale "$SCALE" --shapes "$SHAPES" --batches 8 --prompt-lens 128 --gen "$GEN" --pairs "$PAIRS" \
         --timeout 150 --deadline "$share" --out "$O/realsize/batch8" ;;
     *) echo "realsize: no phase '$1' (p128, p4096, batch8)" >&2 ;;
   esac

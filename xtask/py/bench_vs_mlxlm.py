@@ -66,6 +66,12 @@ def shape_quants(model: Path, quants: list[str]) -> list[str]:
     return quants if bits is None else [str(bits)]
 
 
+def quantize_on_load(model: Path, quant: str) -> bool:
+    """Whether the engines quantize ``model`` as they load it: weights of
+    ``quant`` bits from a bf16 checkpoint (one written quantized runs as is)."""
+    return quant != "bf16" and models.checkpoint_bits(model) is None
+
+
 def last_json(text: str):
     for line in reversed(text.splitlines()):
         line = line.strip()
@@ -138,7 +144,7 @@ def ours_cmd(a, model: Path, prompt_len: int, quant: str, batch: int | None = No
     ]
     if batch is not None:
         cmd += ["--batch", str(batch)]
-    if quant != "bf16" and models.checkpoint_bits(model) is None:
+    if quantize_on_load(model, quant):
         cmd += ["--quantize", quant, "--group-size", "64"]
     return cmd + a.mlex_arg
 
@@ -152,7 +158,7 @@ def theirs_cmd(a, model: Path, prompt_len: int, quant: str, batch: int | None = 
     ]
     if batch is not None:
         cmd += ["--batch", str(batch)]
-    if quant != "bf16" and models.checkpoint_bits(model) is None:
+    if quantize_on_load(model, quant):
         cmd += ["--quantize", quant]
     return cmd
 

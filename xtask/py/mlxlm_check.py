@@ -28,9 +28,10 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-from mlxlm_compat import patch as compat_patch
 import mlx.nn as nn
 import numpy as np
+
+from mlxlm_compat import patch as compat_patch
 
 
 def cmd_logits(a) -> None:

@@ -32,6 +32,10 @@ pub fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // The environment is the process's: set before any thread starts.
+    if let Some(dir) = kernel_cache_dir(|k| std::env::var_os(k)) {
+        std::env::set_var(KERNEL_CACHE_VAR, dir);
+    }
     // Before any thread starts: SIGINT and SIGTERM are taken in every
     // phase from here on (see `interrupt`).
     interrupt::install();
@@ -58,6 +62,34 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// Where MLX's CUDA backend keeps the kernels it compiles at run time.
+const KERNEL_CACHE_VAR: &str = "MLX_PTX_CACHE_DIR";
+
+/// Where MLX's compiled CUDA kernels should go when the user has not said
+/// (`var` reads the environment): `mlex/mlx-ptx/<MLX version>` under
+/// `XDG_CACHE_HOME` or `~/.cache`; `None` when `MLX_PTX_CACHE_DIR` is set
+/// or there is no home. Why: MLX compiles every kernel a model uses at its
+/// first use (a fresh H100 took 85 s before the first token of a
+/// Qwen3-Next-like MoE model, 3.6 s after; docs/BENCHMARKS.md) and keeps
+/// them by default under the temporary directory, which many systems empty
+/// at boot, so that wait came back after every reboot.
+fn kernel_cache_dir(
+    var: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Option<std::path::PathBuf> {
+    if var(KERNEL_CACHE_VAR).is_some() {
+        return None;
+    }
+    let base = var("XDG_CACHE_HOME")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .or_else(|| var("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))?;
+    Some(
+        base.join("mlex")
+            .join("mlx-ptx")
+            .join(mlex_core::device::mlx_version()),
+    )
+}
+
 /// The libraries name what was wrong in their own terms
 /// (`SamplerConfig.top_p`, `model`); on the command line that is an option.
 pub(crate) fn for_the_command_line(e: &mlex_core::error::Error) -> String {
@@ -82,5 +114,37 @@ pub(crate) fn for_the_command_line(e: &mlex_core::error::Error) -> String {
             }
         }
         _ => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsString;
+
+    #[test]
+    fn compiled_kernels_go_to_the_users_cache_unless_a_place_is_given() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| OsString::from(v))
+            }
+        };
+        let v = mlex_core::device::mlx_version();
+        assert_eq!(
+            kernel_cache_dir(env(&[("HOME", "/home/u")])).unwrap(),
+            std::path::Path::new("/home/u/.cache/mlex/mlx-ptx").join(&v)
+        );
+        assert_eq!(
+            kernel_cache_dir(env(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/c")])).unwrap(),
+            std::path::Path::new("/c/mlex/mlx-ptx").join(&v)
+        );
+        assert_eq!(
+            kernel_cache_dir(env(&[("HOME", "/home/u"), ("MLX_PTX_CACHE_DIR", "/mine")])),
+            None
+        );
+        assert_eq!(kernel_cache_dir(env(&[])), None);
     }
 }

@@ -313,6 +313,25 @@ fn env_reports_the_runtime() {
     assert!(v["mlx_version"].as_str().unwrap().starts_with("0.32"));
     assert_eq!(v["matmul_check"]["ok"], true);
     assert!(v["libmlx"].as_str().unwrap_or("").contains("libmlx"));
+    // MLX's compiled kernels: under the user's cache, or where asked.
+    let home = tempfile::tempdir().unwrap();
+    let out = mlex()
+        .args(["env", "--format", "json"])
+        .env("HOME", home.path())
+        .env_remove("XDG_CACHE_HOME")
+        .env_remove("MLX_PTX_CACHE_DIR")
+        .ok_stdout();
+    let v = last_json(&out);
+    let expected = home
+        .path()
+        .join(".cache/mlex/mlx-ptx")
+        .join(v["mlx_version"].as_str().unwrap());
+    assert_eq!(v["kernel_cache"], expected.to_str().unwrap());
+    let out = mlex()
+        .args(["env", "--format", "json"])
+        .env("MLX_PTX_CACHE_DIR", "/elsewhere")
+        .ok_stdout();
+    assert_eq!(last_json(&out)["kernel_cache"], "/elsewhere");
 }
 
 #[test]

@@ -49,6 +49,7 @@ pub fn run(a: EnvArgs) -> Result<()> {
         "libmlx": lib,
         "matmul_check": {"n": n, "max_rel_diff_vs_cpu": rel, "ok": ok},
         "dispatch": dispatch.to_json(),
+        "kernel_cache": std::env::var("MLX_PTX_CACHE_DIR").ok(),
     });
     if a.format == Format::Json {
         println!("{out}");
@@ -57,6 +58,9 @@ pub fn run(a: EnvArgs) -> Result<()> {
         println!("libmlx        {}", lib.as_deref().unwrap_or("(unknown)"));
         println!("cpu blas      {blas}");
         println!("backend       {}", info.backend);
+        if let Some(dir) = out["kernel_cache"].as_str() {
+            println!("kernel cache  {dir}");
+        }
         println!("default       {}", info.default_device);
         match &info.gpu_name {
             Some(g) => println!("gpu           {g} ({} device(s))", info.gpu_count),

@@ -286,6 +286,40 @@ fn a_forward_one_layer_at_a_time_equals_one_graph_on_every_architecture() {
     });
 }
 
+#[test]
+fn quantized_expert_products_cut_by_experts_equal_one_call() {
+    // Two experts a token, at most one pair a call: a decode step's
+    // products go in two calls each; the prompt's stay in one.
+    on_each(
+        &[fixture("qwen3_moe-q4"), fixture("nemotron_h-q4")],
+        |f, registry, failures| {
+            let path = path_of(f);
+            let mut one = mlex_core::dispatch::Dispatch::from_env().unwrap();
+            one.gather_pairs = None;
+            let mut cut = one.clone();
+            cut.gather_pairs = Some(1);
+            let run = |d: &mlex_core::dispatch::Dispatch| {
+                let m = mlex_models::load::load_with(path.to_str().unwrap(), registry, d)
+                    .unwrap()
+                    .model;
+                let mut cache = m.make_cache(1).unwrap();
+                let mut out = vec![values(
+                    &m.forward_last(&tokens(&reference(f).prompt), &mut cache)
+                        .unwrap(),
+                )];
+                for t in [5, 9, 2] {
+                    out.push(values(&m.forward_last(&tokens(&[t]), &mut cache).unwrap()));
+                }
+                out
+            };
+            // Each (row, expert) product is computed alone in either form.
+            if run(&one) != run(&cut) {
+                failures.push(format!("{}: the cut products differ", f.name));
+            }
+        },
+    );
+}
+
 /// The largest difference between `a` and `b` relative to `b`'s largest
 /// magnitude (at least 1).
 fn relative(a: &[f32], b: &[f32]) -> f32 {

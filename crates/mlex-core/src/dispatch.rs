@@ -105,6 +105,15 @@ pub struct Dispatch {
     /// or `mlex serve`) while at most this many sequences are active; a
     /// fuller batch decodes plain steps (`MLEX_SPECULATIVE_ROWS`).
     pub speculative_rows: usize,
+    /// A quantized mixture-of-experts product of a few (row, expert) pairs
+    /// goes to MLX in calls of at most this many pairs, cut along the
+    /// expert axis (CUDA only; `MLEX_GATHER_PAIRS`, `0` for one call). Why:
+    /// MLX's CUDA `gather_qmm` (0.32.2) runs its vector kernel below 8
+    /// pairs a call and a tiled one from 8 on, whose grid at one row an
+    /// expert is a few dozen blocks walking the input in steps of 64: a
+    /// decode step's expert products of the Qwen3-Next-80B-like shape (10
+    /// experts a token) took about 0.1 ms each there (CUPTI, H100).
+    pub gather_pairs: Option<usize>,
     /// This process's rank of a tensor-parallel group (`--tp`): layers
     /// load their part of each split weight and sum their products over
     /// the ranks ([`crate::distributed`]). `None`: one device.
@@ -155,6 +164,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
         "1 runs few-row quantized products with half-precision activations in float32 (CPU)",
     ),
     (
+        "MLEX_GATHER_PAIRS",
+        "most (row, expert) pairs of a quantized expert product in one MLX call: 1-64, or 0 for one call",
+    ),
+    (
         "MLEX_LAYER_SYNC_ROWS",
         "forwards of several tokens a row and at least this many rows run one layer ahead of the GPU: a count, or 0 for whole-step graphs",
     ),
@@ -192,6 +205,7 @@ impl Dispatch {
             prefill_chunk: if gpu { 4096 } else { 64 },
             layer_sync_rows: cuda.then_some(1024),
             scan_piece: 1024,
+            gather_pairs: cuda.then_some(7),
             // Measured on the H100 (batch 4-32 lost 0.3-0.9x at A = 0.8,
             // K = 3; one row gained 1.9x); the CPU is not measured yet.
             speculative_rows: if gpu { 1 } else { 8 },
@@ -263,6 +277,19 @@ impl Dispatch {
                 _ => return Err(bad("MLEX_LAYER_SYNC_ROWS", &v, "0 or a row count")),
             };
         }
+        if let Some(v) = var("MLEX_GATHER_PAIRS") {
+            self.gather_pairs = match v.trim().parse::<usize>() {
+                Ok(0) => None,
+                Ok(n @ 1..=64) => Some(n),
+                _ => {
+                    return Err(bad(
+                        "MLEX_GATHER_PAIRS",
+                        &v,
+                        "0 or a pair count within 1-64",
+                    ))
+                }
+            };
+        }
         Ok(())
     }
 
@@ -310,6 +337,7 @@ impl Dispatch {
             "prefill_chunk": self.prefill_chunk,
             "layer_sync_rows": self.layer_sync_rows,
             "scan_piece": self.scan_piece,
+            "gather_pairs": self.gather_pairs,
             "speculative_rows": self.speculative_rows,
             "tensor_parallel": self.tensor_parallel.as_ref().map(|s| json!({
                 "rank": s.rank(),
@@ -375,9 +403,16 @@ mod tests {
             ("MLEX_SKINNY_ROWS", "4-16"),
             ("MLEX_FUSE_PROJECTIONS", "0"),
             ("MLEX_LAYER_SYNC_ROWS", "0"),
+            ("MLEX_GATHER_PAIRS", "0"),
         ])
         .unwrap();
         assert_eq!(d.layer_sync_rows, None);
+        assert_eq!(d.gather_pairs, None);
+        assert_eq!(with(&[]).unwrap().gather_pairs, Some(7));
+        assert_eq!(
+            with(&[("MLEX_GATHER_PAIRS", "3")]).unwrap().gather_pairs,
+            Some(3)
+        );
         assert_eq!(with(&[]).unwrap().layer_sync_rows, Some(1024));
         assert_eq!(d.gated_delta_chunk, None);
         assert!(!d.fused_decode && !d.fuse_projections);
@@ -389,6 +424,7 @@ mod tests {
             ("MLEX_OPS_ATTENTION_ROWS", "2-99"),
             ("MLEX_FUSED_DECODE", "yes"),
             ("MLEX_LAYER_SYNC_ROWS", "-3"),
+            ("MLEX_GATHER_PAIRS", "65"),
             ("MLEX_REROUTE_HALF_QUANTIZED", "on"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();

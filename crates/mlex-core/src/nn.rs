@@ -107,6 +107,9 @@ pub struct Product {
     few_rows: Option<(DenseProduct, (i32, i32))>,
     dequantize_f32: bool,
     reroute_half: bool,
+    /// At most 64 ([`Dispatch::apply_env`](crate::dispatch::Dispatch::apply_env)):
+    /// a byte keeps the mixture-of-experts layers small.
+    gather_pairs: Option<u8>,
 }
 
 /// Rows (all axes but the last) below which a half-precision quantized
@@ -123,7 +126,16 @@ impl Product {
             few_rows: d.few_row_product(),
             dequantize_f32: d.dequantize_f32_products,
             reroute_half: d.reroute_half_quantized,
+            gather_pairs: d.gather_pairs.map(|n| n.min(u8::MAX as usize) as u8),
         }
+    }
+
+    /// The most (row, expert) pairs a quantized mixture-of-experts product
+    /// gives MLX in one call ([`Dispatch::gather_pairs`]); `None`: one call.
+    ///
+    /// [`Dispatch::gather_pairs`]: crate::dispatch::Dispatch::gather_pairs
+    pub fn gather_pairs(&self) -> Option<usize> {
+        self.gather_pairs.map(usize::from)
     }
 
     /// The few-row kernel's product, when it takes the shape.

@@ -104,7 +104,7 @@ impl SwitchLinear {
                 ops::gather_mm(x, dense.swap_axes(-1, -2)?, None, indices, false)?
             }
             Some(q) => {
-                let gqmm = |x: &Array| -> Result<Array> {
+                let gqmm = |x: &Array, indices: &Array| -> Result<Array> {
                     Ok(ops::gather_qmm(
                         x,
                         w,
@@ -118,13 +118,71 @@ impl SwitchLinear {
                         false,
                     )?)
                 };
+                let calls = |x: &Array| -> Result<Array> {
+                    match experts_a_call(indices.shape(), self.product.gather_pairs()) {
+                        Some(n) => by_expert_groups(x, indices, n, gqmm),
+                        None => gqmm(x, indices),
+                    }
+                };
                 match self.product.rerouted_input(x)? {
-                    Some((x32, d)) => gqmm(&x32)?.as_dtype(d)?,
-                    None => gqmm(x)?,
+                    Some((x32, d)) => calls(&x32)?.as_dtype(d)?,
+                    None => calls(x)?,
                 }
             }
         })
     }
+}
+
+/// Most MLX calls one expert product is cut into
+/// ([`experts_a_call`]): each call costs a launch and the host's work.
+const MAX_EXPERT_CALLS: usize = 4;
+
+/// Experts a call for a product over `indices` of shape `[.., k]` when at
+/// most `most_pairs` (row, expert) pairs may go in one call
+/// ([`Dispatch::gather_pairs`](mlex_core::dispatch::Dispatch)): the `k`
+/// experts in at most [`MAX_EXPERT_CALLS`] even groups; `None` for one call
+/// (few enough pairs, no limit, or too many rows to cut that way).
+fn experts_a_call(indices: &[i32], most_pairs: Option<usize>) -> Option<usize> {
+    let most = most_pairs?;
+    let k = *indices.last()? as usize;
+    let pairs: usize = indices.iter().map(|&n| n.max(0) as usize).product();
+    if pairs <= most || k < 2 {
+        return None;
+    }
+    let fit = most / (pairs / k);
+    if fit == 0 {
+        return None;
+    }
+    let calls = k.div_ceil(fit);
+    (calls <= MAX_EXPERT_CALLS).then(|| k.div_ceil(calls))
+}
+
+/// `product(x, indices)` in calls of `n` experts (the last may have fewer),
+/// joined on the output's expert axis (`[.., k, 1, out]`). `x` is
+/// `[.., 1, 1, in]` (one input for every expert) or `[.., k, 1, in]` (one a
+/// pair, as the down projection's). Each pair's product is computed alone
+/// either way, so the values are those of one call.
+fn by_expert_groups(
+    x: &Array,
+    indices: &Array,
+    n: usize,
+    product: impl Fn(&Array, &Array) -> Result<Array>,
+) -> Result<Array> {
+    let k = indices.shape()[indices.ndim() - 1];
+    let cuts: Vec<i32> = (n as i32..k).step_by(n).collect();
+    let groups = ops::split_at_indices(indices, &cuts, -1)?;
+    let per_pair = x.ndim() >= 3 && x.shape()[x.ndim() - 3] == k;
+    let inputs = if per_pair {
+        ops::split_at_indices(x, &cuts, -3)?
+    } else {
+        vec![x.clone(); groups.len()]
+    };
+    let outs = inputs
+        .iter()
+        .zip(&groups)
+        .map(|(x, i)| product(x, i))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ops::concatenate(&outs, -3)?)
 }
 
 /// Qwen-style MoE: softmax router, top-k, SwiGLU experts, optional shared
@@ -531,5 +589,57 @@ impl NemotronMoe {
             y = ops::add(&y, shared.forward(p, x, None)?)?;
         }
         Ok(y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_products_are_cut_only_where_few_rows_take_many_experts() {
+        // One row (a decode step): Qwen3-Next's 10 experts in two calls of
+        // 5, Qwen3.5-MoE's 8 in two of 4; 6 fit one call.
+        assert_eq!(experts_a_call(&[1, 1, 10], Some(7)), Some(5));
+        assert_eq!(experts_a_call(&[1, 1, 8], Some(7)), Some(4));
+        assert_eq!(experts_a_call(&[1, 1, 6], Some(7)), None);
+        // Two rows of 10: 3 a call (6 pairs), four calls.
+        assert_eq!(experts_a_call(&[2, 1, 10], Some(7)), Some(3));
+        // A prefill or a fuller batch: one call.
+        assert_eq!(experts_a_call(&[1, 128, 10], Some(7)), None);
+        assert_eq!(experts_a_call(&[8, 1, 6], Some(7)), None);
+        // No limit (the CPU), or one expert a row.
+        assert_eq!(experts_a_call(&[1, 1, 10], None), None);
+        assert_eq!(experts_a_call(&[9, 1, 1], Some(7)), None);
+        // 16 experts at most 7 a call: three calls of 6, 6 and 4.
+        assert_eq!(experts_a_call(&[1, 1, 16], Some(7)), Some(6));
+    }
+
+    #[test]
+    fn cut_products_join_in_expert_order() {
+        // product = the input plus its expert's index: the joined result
+        // must keep every pair where one call puts it.
+        let add = |x: &Array, i: &Array| -> Result<Array> {
+            let i = i
+                .as_dtype(Dtype::Float32)?
+                .expand_dims(-1)?
+                .expand_dims(-1)?;
+            Ok(ops::add(x, &i)?)
+        };
+        let indices = Array::from_slice(&[3u32, 1, 4, 0, 2], &[1, 1, 5]);
+        let shared = ops::zeros::<f32>(&[1, 1, 1, 1, 2]).unwrap();
+        let per_pair = ops::reshape(
+            Array::from_slice(&[0f32, 1., 10., 11., 20., 21., 30., 31., 40., 41.], &[10]),
+            &[1, 1, 5, 1, 2],
+        )
+        .unwrap();
+        for x in [&shared, &per_pair] {
+            let whole = add(x, &indices).unwrap();
+            for n in 1..5 {
+                let cut = by_expert_groups(x, &indices, n, add).unwrap();
+                assert_eq!(cut.shape(), whole.shape());
+                assert_eq!(cut.as_slice::<f32>(), whole.as_slice::<f32>(), "n = {n}");
+            }
+        }
     }
 }

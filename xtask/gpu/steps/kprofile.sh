@@ -9,7 +9,7 @@
 # same two lengths. The speculative pair's difference less twice the plain
 # pair's is what 128 / (K + 1) extra rounds ran. Prints,
 # per plain step and per round: kernels, GPU busy time, and wall time from
-# the bench's tok/s; then the kernels that account for most of the round's
+# the bench's tok/s; then a plain step's kernels by GPU time and the kernels that account for most of the round's
 # busy time against K + 1 plain steps. Needs the CUDA bundle's files in
 # .gpu/, the mlx-cuda-pack archive in .mlx-cuda/, the mlx wheel in .whl/
 # and CUPTI on the machine. Writes $OUT/kprofile.txt.
@@ -64,6 +64,9 @@ print(f"== {m}, K = {k}")
 print(f"plain step: {sum(c for c, _ in step_k.values()):.0f} kernels, GPU busy {sbusy1:.3f} ms, wall {pw:.3f} ms")
 print(f"round (T = {k + 1}): {sum(c for c, _ in round_k.values()):.0f} kernels, GPU busy {rbusy:.3f} ms, wall {sw:.3f} ms "
       f"= {sw / pw:.2f} steps; busy {rbusy / sbusy1:.2f} steps")
+print("a plain step's kernels by GPU time (launches, us):")
+for n in sorted(step_k, key=lambda n: -step_k[n][1])[:12]:
+    print(f"  {step_k[n][0]:6.1f}  {step_k[n][1] / 1e3:8.1f}  {n[:110]}")
 print("kernels by extra busy time a round over one plain step (launches round / step, us round / step):")
 rows = sorted(round_k, key=lambda n: -(round_k[n][1] - step_k.get(n, (0, 0))[1]))
 for n in rows[:15]:

@@ -112,7 +112,8 @@ pub struct Dispatch {
     /// pairs a call and a tiled one from 8 on, whose grid at one row an
     /// expert is a few dozen blocks walking the input in steps of 64: a
     /// decode step's expert products of the Qwen3-Next-80B-like shape (10
-    /// experts a token) took about 0.1 ms each there (CUPTI, H100).
+    /// experts a token) had half the step's kernel time (CUPTI, H100).
+    /// Off by default: not yet timed end to end.
     pub gather_pairs: Option<usize>,
     /// This process's rank of a tensor-parallel group (`--tp`): layers
     /// load their part of each split weight and sum their products over
@@ -205,7 +206,9 @@ impl Dispatch {
             prefill_chunk: if gpu { 4096 } else { 64 },
             layer_sync_rows: cuda.then_some(1024),
             scan_piece: 1024,
-            gather_pairs: cuda.then_some(7),
+            // 7 is where MLX's vector kernel ends; off until the cut is
+            // measured against one call (`bash xtask/gpu/run.sh moecut`).
+            gather_pairs: None,
             // Measured on the H100 (batch 4-32 lost 0.3-0.9x at A = 0.8,
             // K = 3; one row gained 1.9x); the CPU is not measured yet.
             speculative_rows: if gpu { 1 } else { 8 },
@@ -403,16 +406,16 @@ mod tests {
             ("MLEX_SKINNY_ROWS", "4-16"),
             ("MLEX_FUSE_PROJECTIONS", "0"),
             ("MLEX_LAYER_SYNC_ROWS", "0"),
-            ("MLEX_GATHER_PAIRS", "0"),
         ])
         .unwrap();
         assert_eq!(d.layer_sync_rows, None);
-        assert_eq!(d.gather_pairs, None);
-        assert_eq!(with(&[]).unwrap().gather_pairs, Some(7));
-        assert_eq!(
-            with(&[("MLEX_GATHER_PAIRS", "3")]).unwrap().gather_pairs,
-            Some(3)
-        );
+        // The expert cut: off by default, a count turns it on, 0 off.
+        assert_eq!(with(&[]).unwrap().gather_pairs, None);
+        let mut cut = with(&[("MLEX_GATHER_PAIRS", "7")]).unwrap();
+        assert_eq!(cut.gather_pairs, Some(7));
+        cut.apply_env(|k| (k == "MLEX_GATHER_PAIRS").then(|| "0".to_owned()))
+            .unwrap();
+        assert_eq!(cut.gather_pairs, None);
         assert_eq!(with(&[]).unwrap().layer_sync_rows, Some(1024));
         assert_eq!(d.gated_delta_chunk, None);
         assert!(!d.fused_decode && !d.fuse_projections);

@@ -6,7 +6,7 @@
 # cut, so it is the control): a warm-up run each (a fresh machine compiles
 # its CUDA kernels there), then PAIRS alternating pairs of fresh
 # `mlex bench` processes (prompt 128, GEN tokens) with MLEX_GATHER_PAIRS=0
-# (one call a product) and the default, at batch 1; then, on the bf16
+# (one call a product) and =7 (the cut), at batch 1; then, on the bf16
 # Qwen3-0.6B-like checkpoint, MLEX_LAYER_SYNC_ROWS=$SYNC (default 64)
 # against the default at prompts 128 and 512, alternating; then the pairs
 # at batch 2. Then

@@ -82,7 +82,11 @@ fn kernel_cache_dir(
     let base = var("XDG_CACHE_HOME")
         .filter(|d| !d.is_empty())
         .map(std::path::PathBuf::from)
-        .or_else(|| var("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))?;
+        .or_else(|| {
+            var("HOME")
+                .filter(|h| !h.is_empty())
+                .map(|h| std::path::PathBuf::from(h).join(".cache"))
+        })?;
     Some(
         base.join("mlex")
             .join("mlx-ptx")
@@ -146,5 +150,6 @@ mod tests {
             None
         );
         assert_eq!(kernel_cache_dir(env(&[])), None);
+        assert_eq!(kernel_cache_dir(env(&[("HOME", "")])), None);
     }
 }

@@ -161,7 +161,9 @@ fn experts_a_call(indices: &[i32], most_pairs: Option<usize>) -> Option<usize> {
 /// joined on the output's expert axis (`[.., k, 1, out]`). `x` is
 /// `[.., 1, 1, in]` (one input for every expert) or `[.., k, 1, in]` (one a
 /// pair, as the down projection's). Each pair's product is computed alone
-/// either way, so the values are those of one call.
+/// either way: on the CPU the values are one call's, bit for bit; on CUDA
+/// the cut calls take MLX's vector kernel, which may round its sums
+/// otherwise than the tiled one.
 fn by_expert_groups(
     x: &Array,
     indices: &Array,

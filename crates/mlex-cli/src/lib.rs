@@ -63,7 +63,7 @@ pub fn main() -> ExitCode {
 }
 
 /// Where MLX's CUDA backend keeps the kernels it compiles at run time.
-const KERNEL_CACHE_VAR: &str = "MLX_PTX_CACHE_DIR";
+pub(crate) const KERNEL_CACHE_VAR: &str = "MLX_PTX_CACHE_DIR";
 
 /// Where MLX's compiled CUDA kernels should go when the user has not said
 /// (`var` reads the environment): `mlex/mlx-ptx/<MLX version>` under

@@ -16,18 +16,21 @@
 SHAPES=${SHAPES:-qwen3_next-80b-a3b nemotron_h-30b-a3b}
 export MLX_PTX_CACHE_DIR=/tmp/ptx-realprof
 mkdir -p "$MLX_PTX_CACHE_DIR" "$O/realprof"
+# MLX writes a module as NAME.cu, NAME.ptx and NAME.txt, a name of more than
+# 245 characters split into folders: the modules are the .ptx files.
+modules() { find "$MLX_PTX_CACHE_DIR" -name '*.ptx' | wc -l; }
 wheels
 python3 $B/make_bench_models.py /tmp/models --scale real --shapes "$(echo $SHAPES | tr ' ' ,)" 2>&1 | tail -1
 for m in $SHAPES; do
   for run in cold warm; do
-    n0=$(ls "$MLX_PTX_CACHE_DIR" | wc -l); t0=$(date +%s%N)
+    n0=$(modules); t0=$(date +%s%N)
     timeout 240 $M bench --model /tmp/models/$m-real --prompt-len 16 --gen 8 --repeats 1 --format json \
       > "$O/realprof/$m-$run.txt" 2>&1
     rc=$?
-    echo "$m $run: rc $rc, $(( ($(date +%s%N) - t0) / 1000000 )) ms, PTX cache $n0 -> $(ls "$MLX_PTX_CACHE_DIR" | wc -l) files" |
+    echo "$m $run: rc $rc, $(( ($(date +%s%N) - t0) / 1000000 )) ms, kernel modules cached $n0 -> $(modules)" |
       tee -a "$O/realprof/cold.txt"
   done
-  ls -l "$MLX_PTX_CACHE_DIR" > "$O/realprof/ptx-after-$m.txt"
+  find "$MLX_PTX_CACHE_DIR" -type f -printf '%s %P\n' | sort -k2 > "$O/realprof/ptx-after-$m.txt"
 done
 SHAPES="$(for m in $SHAPES; do printf '%s-real ' "$m"; done)"
 . "$STEP_DIR/kprofile.sh"

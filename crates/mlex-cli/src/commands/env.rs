@@ -49,7 +49,7 @@ pub fn run(a: EnvArgs) -> Result<()> {
         "libmlx": lib,
         "matmul_check": {"n": n, "max_rel_diff_vs_cpu": rel, "ok": ok},
         "dispatch": dispatch.to_json(),
-        "kernel_cache": std::env::var("MLX_PTX_CACHE_DIR").ok(),
+        "kernel_cache": std::env::var(crate::KERNEL_CACHE_VAR).ok(),
     });
     if a.format == Format::Json {
         println!("{out}");

@@ -80,4 +80,4 @@ pub use batch::BatchKvCache;
 pub use kv::{ConcatKvCache, KvCache, RotatingKvCache, KV_STEP};
 pub use prompt::{PrefixHit, PromptCache, StateSnapshot};
 pub use quantized::QuantizedKvCache;
-pub use state::{conv_window_into, conv_window_step, StateCache, StateSpec};
+pub use state::{conv_window_into, conv_window_step, windows_after_each, StateCache, StateSpec};

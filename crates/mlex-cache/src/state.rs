@@ -256,21 +256,34 @@ pub fn conv_window_step(window: &Array, x: &Array) -> Result<(Array, Array)> {
     Ok((padded, next))
 }
 
+/// The window of `keep` rows after each of the `T` new positions of a
+/// padded input `[B, keep+T, C]`, as `[T, B, keep, C]`: the window after
+/// position `j` (0-based) is rows `j+1 ..= j+keep`. A strided view of the
+/// padded input (the windows overlap), not a gather: in a verify forward
+/// that is one kernel fewer a recurrent layer, and what a commit keeps is
+/// one entry of it, a few rows more than a decode step's window keeps.
+pub fn windows_after_each(padded: &Array, keep: i32) -> Result<Array> {
+    let s = padded.shape();
+    let (b, len, c) = (s[0], s[1], s[2]);
+    let t = len - keep;
+    let (row, seq) = (c as i64, (len * c) as i64);
+    // MLX flattens the input first (a copy only if it is not row-major),
+    // so the strides are those of a row-major `[B, keep+T, C]`.
+    Ok(ops::as_strided(
+        padded,
+        &[t, b, keep, c][..],
+        &[row, seq, row, 1][..],
+        c as usize,
+    )?)
+}
+
 /// [`conv_window_step`] on array `i` of a layer's state: writes the new
 /// window (or, in a verify run, the window after every position,
 /// `[T, B, K-1, C]`) and returns the padded input the convolution reads.
 pub fn conv_window_into(state: &mut State<'_>, i: usize, x: &Array) -> Result<Array> {
     let (padded, next) = conv_window_step(&state[i], x)?;
     if state.keeps_positions() {
-        // The window after position j (0-based) is rows j+1 .. j+K of the
-        // padded input.
-        // One gather for all of them: `[B, T, K-1, C]`, then `T` leading.
-        let keep = state[i].shape()[1];
-        let t = x.shape()[1];
-        let rows: Vec<i32> = (1..=t).flat_map(|j| j..j + keep).collect();
-        let idx = Array::from_slice(&rows, &[t, keep]);
-        let windows = padded.take_axis(&idx, 1)?;
-        state.set_positions(i, windows.transpose_axes(&[1, 0, 2, 3])?)?;
+        state.set_positions(i, windows_after_each(&padded, state[i].shape()[1])?)?;
     } else {
         state[i] = next;
     }

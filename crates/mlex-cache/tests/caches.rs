@@ -3,7 +3,9 @@
 //! O(layers) copies.
 
 use mlex_cache::KV_STEP;
-use mlex_cache::{conv_window_step, ConcatKvCache, KvCache, RotatingKvCache, StateCache};
+use mlex_cache::{
+    conv_window_step, windows_after_each, ConcatKvCache, KvCache, RotatingKvCache, StateCache,
+};
 use mlex_core::cache::{AttentionMask, Cache, KvAccess};
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, random, Array, Dtype};
@@ -108,6 +110,31 @@ proptest! {
             prop_assert_eq!(vals(&next), want_next);
             window = next;
         }
+    }
+
+    /// In a verify run the window after each new position `j` of each row
+    /// is the last K-1 inputs up to `j`: the rows `j+1 ..= j+K-1` of the
+    /// padded input, read here on the host, row by row.
+    #[test]
+    fn windows_after_each_position_are_the_padded_rows(kernel in 2i32..6, batch in 1i32..4, t in 1i32..9, seed in 0u64..1000) {
+        let (channels, keep) = (3, kernel - 1);
+        let key = random::key(seed).unwrap();
+        let window = random::normal::<f32>(&[batch, keep, channels], None, None, &key).unwrap();
+        let key = random::key(seed + 7).unwrap();
+        let x = random::normal::<f32>(&[batch, t, channels], None, None, &key).unwrap();
+        let (padded, _) = conv_window_step(&window, &x).unwrap();
+        let all = windows_after_each(&padded, keep).unwrap();
+        prop_assert_eq!(all.shape(), &[t, batch, keep, channels][..]);
+        let p = vals(&padded);
+        let (c, len) = (channels as usize, (keep + t) as usize);
+        let mut want: Vec<f32> = Vec::new();
+        for j in 0..t as usize {
+            for b in 0..batch as usize {
+                let from = (b * len + j + 1) * c;
+                want.extend(&p[from..from + keep as usize * c]);
+            }
+        }
+        prop_assert_eq!(vals(&all), want);
     }
 }
 

@@ -7,8 +7,8 @@
 # its CUDA kernels there), then PAIRS alternating pairs of fresh
 # `mlex bench` processes (prompt 128, GEN tokens) with MLEX_GATHER_PAIRS=0
 # (one call a product) and =7 (the cut), at batch 1; then, on the bf16
-# Qwen3-0.6B-like checkpoint, MLEX_LAYER_SYNC_ROWS=$SYNC (default 64)
-# against the default at prompts 128 and 512, alternating; then the pairs
+# Qwen3-0.6B-like checkpoint at prompts 128 and 512 and the Qwen3-Next-like
+# one at 128, MLEX_LAYER_SYNC_ROWS=$SYNC (default 64) against 1024, alternating; then the pairs
 # at batch 2. Then
 # bench_vs_mlxlm.py at prompt 128 on the shapes the cut changes, in what is
 # left of TOTAL_S seconds. Writes $OUT/moecut.jsonl (bench JSON lines with
@@ -45,10 +45,10 @@ pairs_at() {
   done
 }
 pairs_at 1
-for p in 128 512; do
+for sp in qwen3-0.6b:128 qwen3-0.6b:512 qwen3_next-80b-a3b:128; do
   for _ in 1 2; do
-    one qwen3-0.6b default 1 "$p" MLEX_LAYER_SYNC_ROWS=1024
-    one qwen3-0.6b "sync$SYNC" 1 "$p" MLEX_LAYER_SYNC_ROWS="$SYNC"
+    one "${sp%:*}" default 1 "${sp#*:}" MLEX_LAYER_SYNC_ROWS=1024
+    one "${sp%:*}" "sync$SYNC" 1 "${sp#*:}" MLEX_LAYER_SYNC_ROWS="$SYNC"
   done
 done
 pairs_at 2

@@ -464,7 +464,7 @@ impl Generator {
     /// the host waits for token t. `y` is the token sampled from the
     /// prompt's logits, `history` the repetition penalty's context.
     #[allow(clippy::too_many_arguments)]
-    fn decode_plain(
+    pub(crate) fn decode_plain(
         &mut self,
         prompt: &[u32],
         opts: &GenerateOptions,

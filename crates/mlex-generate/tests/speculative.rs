@@ -261,6 +261,81 @@ fn prompt_lookup_stands_down_when_acceptance_stays_low() {
         assert_eq!(propose(&mut l), 0, "stood down");
     }
     assert_eq!(propose(&mut l), 3, "tries again after the pause");
+    // The loop takes a pause's rounds whole (and runs them pipelined).
+    assert_eq!(l.take_idle_rounds(), 0, "not standing down");
+    for _ in 0..PromptLookup::WINDOW {
+        propose(&mut l);
+        l.accepted(0).unwrap();
+    }
+    assert_eq!(l.take_idle_rounds(), PromptLookup::PAUSE);
+    assert_eq!(l.take_idle_rounds(), 0, "handed over once");
+    assert_eq!(propose(&mut l), 3, "the handed-over rounds count as passed");
+}
+
+/// A drafter that never proposes and stands down every other round for
+/// three rounds: decode then mixes the pipelined stretches of a drafter
+/// standing down with the plain step a round of an empty proposal.
+struct Idle(usize);
+
+impl Drafter for Idle {
+    fn name(&self) -> &'static str {
+        "idle"
+    }
+    fn propose(
+        &mut self,
+        _req: mlex_generate::DraftRequest<'_>,
+    ) -> mlex_core::error::Result<mlex_generate::Draft> {
+        Ok(mlex_generate::Draft::default())
+    }
+    fn accepted(&mut self, _n: usize) -> mlex_core::error::Result<()> {
+        Ok(())
+    }
+    fn take_idle_rounds(&mut self) -> usize {
+        self.0 += 1;
+        if self.0 % 2 == 1 {
+            3
+        } else {
+            0
+        }
+    }
+}
+
+/// Rounds a drafter stands down run as plain decode, pipelined: the same
+/// tokens as plain decode, sampled ones included (the same draws in the
+/// same order, penalties over the same history), to the last token of the
+/// budget, on an attention, a Gated DeltaNet and a Mamba2 hybrid model.
+#[test]
+fn rounds_standing_down_decode_as_plain_decode_does() {
+    for name in ["llama-f32", "qwen3_5-f32", "nemotron_h-f32"] {
+        let f = fixture(name);
+        let mut g = Generator::new(model_of(&f), true);
+        let p = prompt(g.model.vocab_size() as u32);
+        for (n, sampler) in [
+            (23, SamplerConfig::default()),
+            (
+                30,
+                SamplerConfig {
+                    temp: 1.0,
+                    repetition_penalty: 1.3,
+                    seed: Some(5),
+                    ..Default::default()
+                },
+            ),
+        ] {
+            let o = GenerateOptions {
+                max_tokens: n,
+                sampler,
+                ..Default::default()
+            };
+            g.speculative = None;
+            let plain = g.generate(&p, &o, &mut |_| Ok(Flow::Continue)).unwrap();
+            g.speculative = Some((Box::new(Idle(0)), 3));
+            let idle = g.generate(&p, &o, &mut |_| Ok(Flow::Continue)).unwrap();
+            assert_eq!(idle.tokens, plain.tokens, "{name}, {n} tokens");
+            let s = idle.speculative.expect("speculative stats");
+            assert_eq!((s.rounds, s.plain_steps), (0, n - 1), "{name}: {s:?}");
+        }
+    }
 }
 
 #[test]

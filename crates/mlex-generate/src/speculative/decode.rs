@@ -64,6 +64,24 @@ impl Generator {
                 break Finish::Length;
             }
             let y = *out.last().expect("one token emitted");
+            let idle = if wants_hidden {
+                0
+            } else {
+                drafter.take_idle_rounds()
+            };
+            if idle > 0 {
+                // A drafter standing down: its rounds as plain decode,
+                // pipelined, not a step and a wait a round.
+                let budget = idle.min(opts.max_tokens - out.len());
+                let run =
+                    self.plain_stretch(y, &mut fed, budget, opts, cache, sampler, on_token)?;
+                stats.plain_steps += run.out.len();
+                out.extend(run.out);
+                match run.finish {
+                    Finish::Length if out.len() < opts.max_tokens => continue,
+                    f => break f,
+                }
+            }
             // Drafts may fill neither the output budget nor the context.
             let kk = k
                 .min(opts.max_tokens - out.len() - 1)
@@ -135,6 +153,35 @@ impl Generator {
 }
 
 impl Generator {
+    /// Up to `budget` tokens after `y` (emitted, not yet fed) by plain
+    /// decode's pipelined loop, `fed` extended by what they feed: the
+    /// tokens and the sampling draws of a plain step a round.
+    #[allow(clippy::too_many_arguments)]
+    fn plain_stretch(
+        &mut self,
+        y: u32,
+        fed: &mut Vec<u32>,
+        budget: usize,
+        opts: &GenerateOptions,
+        cache: &mut ModelCache,
+        sampler: &mut Sampler,
+        on_token: &mut dyn FnMut(u32) -> Result<Flow>,
+    ) -> Result<Decoded> {
+        let ctx = opts.sampler.repetition_context.max(1);
+        let use_history = opts.sampler.uses_history();
+        let logits = self.step(&Array::from_slice(&[y as i32], &[1, 1]), cache)?;
+        fed.push(y);
+        let history = history_of(fed, ctx);
+        let next = sampler.sample(&logits, use_history.then_some(&history))?;
+        let opts = GenerateOptions {
+            max_tokens: budget,
+            ..opts.clone()
+        };
+        let run = self.decode_plain(fed, &opts, cache, sampler, next, history, on_token)?;
+        *fed = run.fed.clone();
+        Ok(run)
+    }
+
     /// One token through the target, `[1, V]` logits; with `hidden`, as a
     /// one-token verify that also hands out the step's normed state.
     fn plain_step(

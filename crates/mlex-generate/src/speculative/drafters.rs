@@ -105,6 +105,11 @@ impl Drafter for PromptLookup {
         })
     }
 
+    fn take_idle_rounds(&mut self) -> usize {
+        self.last_proposed = 0;
+        std::mem::take(&mut self.pause)
+    }
+
     fn accepted(&mut self, n: usize) -> Result<()> {
         self.recent.push_back((self.last_proposed, n));
         if self.recent.len() > Self::WINDOW {

@@ -106,6 +106,14 @@ pub trait Drafter {
     fn wants_hidden(&self) -> bool {
         false
     }
+
+    /// The rounds from now on in which it proposes nothing whatever the
+    /// context, handed over (it then counts them as passed): the decode
+    /// loop runs that many plain steps pipelined, as plain decode does,
+    /// instead of asking a round at a time and waiting for each token.
+    fn take_idle_rounds(&mut self) -> usize {
+        0
+    }
 }
 
 /// The target's normed states kept since a drafter's last proposal

@@ -45,7 +45,6 @@ use mlex_core::model::ModelCache;
 use mlx_rs::ops::indexing::{TryIndexMutOp, TryIndexOp};
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{ops, Array, Dtype};
-use rand::SeedableRng;
 use std::collections::{BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -591,10 +590,7 @@ impl<'g> BatchGenerator<'g> {
             };
             let next_is_prompt = logits.is_none();
             if let (Some(spec), Some(drafter)) = (self.speculation.as_ref(), drafter) {
-                let rng = match active.sampler.config().seed {
-                    Some(seed) => rand::rngs::StdRng::seed_from_u64(seed),
-                    None => rand::rngs::StdRng::from_os_rng(),
-                };
+                let rng = crate::sampler::host_rng(active.sampler.config().seed);
                 active.spec = Some(speculative::RowSpec::new(
                     drafter, &prompt, rng, spec.k, hidden,
                 ));

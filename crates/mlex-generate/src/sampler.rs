@@ -384,6 +384,16 @@ pub(crate) fn token_id(a: &Array) -> Result<u32> {
         .map_err(|e| Error::Other(e.to_string()))
 }
 
+/// The host's random generator of a run: seeded when the run has a seed
+/// (so that a seeded run repeats), else from the operating system.
+pub(crate) fn host_rng(seed: Option<u64>) -> rand::rngs::StdRng {
+    use rand::SeedableRng;
+    match seed {
+        Some(s) => rand::rngs::StdRng::seed_from_u64(s),
+        None => rand::rngs::StdRng::from_os_rng(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

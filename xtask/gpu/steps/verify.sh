@@ -4,7 +4,8 @@
 # the real-shape bf16 checkpoints of qwen3-0.6b, qwen3_5 and nemotron_h,
 # `mlex bench --verify-cost` (one verify forward over T = 1..8 tokens against
 # one decode step, prompt 128) and `mlex bench --draft-acceptance A
-# --draft-tokens K --force-acceptance` for the CELLS ("A:K ..."), each
+# --draft-tokens K --force-acceptance` for the CELLS ("A:K ..."), then plain
+# decode and `--lookup --draft-tokens 3` on qwen3_5 and qwen3-0.6b, each
 # alternating the new binary (.gpu/mlex) with the previous build
 # (.gpu/mlex-old, when present) in the same call, PAIRS rounds. No run
 # starts after DEADLINE_S seconds. Needs the CUDA bundle's files in .gpu/,
@@ -39,6 +40,19 @@ for s in qwen3_5 qwen3-0.6b; do
         late && break 4
         timeout 120 $(bin $b) bench --model /tmp/models/$s-real --prompt-len 128 --gen "$GEN" --repeats 1 \
           --draft-acceptance $a --draft-tokens $k --force-acceptance --format json | tail -1 | tag $b | tee -a "$J"
+      done
+    done
+  done
+done
+# Prompt lookup on random weights (it stands down where the output does not
+# repeat the prompt): plain decode and --lookup, each build, PAIRS rounds.
+for s in qwen3_5 qwen3-0.6b; do
+  for r in $(seq "$PAIRS"); do
+    for b in $builds; do
+      for x in "" "--lookup --draft-tokens 3"; do
+        late && break 4
+        timeout 120 $(bin $b) bench --model /tmp/models/$s-real --prompt-len 128 --gen "$GEN" --repeats 1 \
+          $x --format json | tail -1 | tag $b | tee -a "$J"
       done
     done
   done

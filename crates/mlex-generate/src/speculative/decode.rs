@@ -5,13 +5,12 @@ use super::{
     SpecStats,
 };
 use crate::generate::{Decoded, Finish, Flow, GenerateOptions, Generator};
-use crate::sampler::{history_of, token_id, Sampler};
+use crate::sampler::{history_of, host_rng, token_id, Sampler};
 use mlex_core::error::Result;
 use mlex_core::model::ModelCache;
 use mlx_rs::ops::indexing::TryIndexOp;
 use mlx_rs::{ops, Array, Dtype};
 use rand::rngs::StdRng;
-use rand::SeedableRng;
 use std::time::Instant;
 
 impl Generator {
@@ -37,10 +36,7 @@ impl Generator {
         let mut hidden: Vec<Array> = prompt_hidden.into_iter().collect();
         let k = check_draft_tokens(k)?;
         let limit = self.model.max_context.unwrap_or(usize::MAX);
-        let mut rng = match opts.sampler.seed {
-            Some(s) => StdRng::seed_from_u64(s),
-            None => StdRng::from_os_rng(),
-        };
+        let mut rng = host_rng(opts.sampler.seed);
         let ctx = opts.sampler.repetition_context.max(1);
         let use_history = opts.sampler.uses_history();
         let greedy = opts.sampler.is_greedy();
@@ -64,22 +60,13 @@ impl Generator {
                 break Finish::Length;
             }
             let y = *out.last().expect("one token emitted");
-            let idle = if wants_hidden {
-                0
-            } else {
-                drafter.take_idle_rounds()
-            };
-            if idle > 0 {
-                // A drafter standing down: its rounds as plain decode,
-                // pipelined, not a step and a wait a round.
-                let budget = idle.min(opts.max_tokens - out.len());
-                let run =
-                    self.plain_stretch(y, &mut fed, budget, opts, cache, sampler, on_token)?;
-                stats.plain_steps += run.out.len();
-                out.extend(run.out);
-                match run.finish {
-                    Finish::Length if out.len() < opts.max_tokens => continue,
-                    f => break f,
+            // A drafter standing down: its rounds as plain decode, pipelined.
+            let idle = (!wants_hidden).then(|| drafter.take_idle_rounds());
+            if let Some(idle) = idle.filter(|&n| n > 0) {
+                let at = (&mut fed, &mut out, &mut stats);
+                match self.plain_stretch(y, idle, at, opts, cache, sampler, on_token)? {
+                    Some(f) => break f,
+                    None => continue,
                 }
             }
             // Drafts may fill neither the output budget nor the context.
@@ -153,33 +140,40 @@ impl Generator {
 }
 
 impl Generator {
-    /// Up to `budget` tokens after `y` (emitted, not yet fed) by plain
-    /// decode's pipelined loop, `fed` extended by what they feed: the
-    /// tokens and the sampling draws of a plain step a round.
+    /// Up to `rounds` tokens after `y` (emitted, not yet fed) by plain
+    /// decode's pipelined loop, into `out`, `fed` extended by what they
+    /// feed and each counted a plain step: the tokens and the sampling
+    /// draws of a plain step a round. The reason to stop, if the loop must.
     #[allow(clippy::too_many_arguments)]
     fn plain_stretch(
         &mut self,
         y: u32,
-        fed: &mut Vec<u32>,
-        budget: usize,
+        rounds: usize,
+        (fed, out, stats): (&mut Vec<u32>, &mut Vec<u32>, &mut SpecStats),
         opts: &GenerateOptions,
         cache: &mut ModelCache,
         sampler: &mut Sampler,
         on_token: &mut dyn FnMut(u32) -> Result<Flow>,
-    ) -> Result<Decoded> {
+    ) -> Result<Option<Finish>> {
+        let budget = rounds.min(opts.max_tokens - out.len());
         let ctx = opts.sampler.repetition_context.max(1);
         let use_history = opts.sampler.uses_history();
         let logits = self.step(&Array::from_slice(&[y as i32], &[1, 1]), cache)?;
         fed.push(y);
         let history = history_of(fed, ctx);
         let next = sampler.sample(&logits, use_history.then_some(&history))?;
-        let opts = GenerateOptions {
+        let stretch = GenerateOptions {
             max_tokens: budget,
             ..opts.clone()
         };
-        let run = self.decode_plain(fed, &opts, cache, sampler, next, history, on_token)?;
-        *fed = run.fed.clone();
-        Ok(run)
+        let run = self.decode_plain(fed, &stretch, cache, sampler, next, history, on_token)?;
+        *fed = run.fed;
+        stats.plain_steps += run.out.len();
+        out.extend(run.out);
+        Ok(match run.finish {
+            Finish::Length if out.len() < opts.max_tokens => None,
+            f => Some(f),
+        })
     }
 
     /// One token through the target, `[1, V]` logits; with `hidden`, as a

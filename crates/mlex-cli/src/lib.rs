@@ -14,6 +14,7 @@
 
 mod args;
 mod commands;
+mod cpu_kernels;
 mod interrupt;
 mod session;
 mod tp;
@@ -36,6 +37,7 @@ pub fn main() -> ExitCode {
     if let Some(dir) = kernel_cache_dir(|k| std::env::var_os(k)) {
         std::env::set_var(KERNEL_CACHE_VAR, dir);
     }
+    cpu_kernels::use_own_folder();
     // Before any thread starts: SIGINT and SIGTERM are taken in every
     // phase from here on (see `interrupt`).
     interrupt::install();

@@ -189,8 +189,7 @@ pub fn launch(n: u32) -> Result<()> {
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let dir = scratch_dir()?;
     let result = (|| {
-        // The locks stay held until the ranks have exited.
-        let (envs, _locks) = environments(n, backend(), &dir)?;
+        let envs = environments(n, backend(), &dir)?;
         let mut children = Vec::with_capacity(n as usize);
         for (rank, env) in envs.into_iter().enumerate() {
             let mut cmd = Command::new(&exe);
@@ -248,55 +247,13 @@ fn forward_failures(err: std::process::ChildStderr) {
     });
 }
 
-/// Rank `r`'s temporary folder and, when it is the shared one, the lock
-/// this launch holds on it. MLX's CPU backend compiles kernels into
-/// `$TMPDIR/mlx` and loads them from there, and two processes compiling the
-/// same kernel into one folder at the same moment load each other's
-/// half-written libraries ("file too short"). So each rank has its own
-/// folder, `mlex-rank-{r}`, kept between launches (its kernels are reused),
-/// and a launch that finds it locked by another running at the same time
-/// takes one of its own in `dir` instead.
-fn rank_tmp(r: u32, dir: &std::path::Path) -> (PathBuf, Option<std::fs::File>) {
-    let shared = std::env::temp_dir().join(format!("mlex-rank-{r}"));
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(shared.with_extension("lock"))
-        .ok()
-        .filter(|f| {
-            use std::os::fd::AsRawFd;
-            // SAFETY: flock on a descriptor this function owns; the lock
-            // goes with the file when it is dropped.
-            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
-        });
-    let tmp = if lock.is_some() {
-        shared
-    } else {
-        dir.join(format!("rank-{r}-tmp"))
-    };
-    let _ = std::fs::create_dir_all(&tmp);
-    (tmp, lock)
-}
-
 /// One process's environment variables.
 type Env = Vec<(String, String)>;
 
-/// Each rank's MLX variables, and the locks on the rank folders this
-/// launch holds while its ranks run ([`rank_tmp`]).
-fn environments(
-    n: u32,
-    backend: CollectiveBackend,
-    dir: &std::path::Path,
-) -> Result<(Vec<Env>, Vec<std::fs::File>)> {
-    let mut locks = Vec::new();
-    let mut rank_env = |r: u32| {
-        let (tmp, lock) = rank_tmp(r, dir);
-        locks.extend(lock);
-        vec![
-            ("MLX_RANK".to_owned(), r.to_string()),
-            ("TMPDIR".to_owned(), tmp.display().to_string()),
-        ]
-    };
+/// Each rank's MLX variables. (Each rank, an `mlex` process, compiles its
+/// CPU kernels in a folder of its own: `crate::cpu_kernels`.)
+fn environments(n: u32, backend: CollectiveBackend, dir: &std::path::Path) -> Result<Vec<Env>> {
+    let rank_env = |r: u32| vec![("MLX_RANK".to_owned(), r.to_string())];
     match backend {
         CollectiveBackend::Ring => {
             let ports = free_ports(n as usize)?;
@@ -314,7 +271,7 @@ fn environments(
                     env
                 })
                 .collect();
-            Ok((envs, locks))
+            Ok(envs)
         }
         CollectiveBackend::Nccl => {
             let port = free_ports(1)?[0];
@@ -333,7 +290,7 @@ fn environments(
                     env
                 })
                 .collect();
-            Ok((envs, locks))
+            Ok(envs)
         }
     }
 }
@@ -463,7 +420,7 @@ mod tests {
     #[test]
     fn ring_ranks_share_one_hostfile_of_distinct_loopback_ports() {
         let dir = scratch_dir().unwrap();
-        let (envs, _locks) = environments(3, CollectiveBackend::Ring, &dir).unwrap();
+        let envs = environments(3, CollectiveBackend::Ring, &dir).unwrap();
         assert_eq!(envs.len(), 3);
         let file = &envs[0].iter().find(|(k, _)| k == "MLX_HOSTFILE").unwrap().1;
         let hosts: Vec<Vec<String>> =
@@ -481,31 +438,9 @@ mod tests {
     }
 
     #[test]
-    fn launches_at_the_same_time_never_share_a_rank_folder() {
-        let (a, b) = (scratch_dir().unwrap(), scratch_dir().unwrap());
-        let (first, first_lock) = rank_tmp(5, &a);
-        let (second, second_lock) = rank_tmp(5, &b);
-        assert_ne!(first, second);
-        // The shared folder goes with its lock; the other launch's folder is
-        // its own.
-        let shared = std::env::temp_dir().join("mlex-rank-5");
-        assert_eq!(first == shared, first_lock.is_some());
-        assert!(
-            second_lock.is_none() && second.starts_with(&b),
-            "{second:?}"
-        );
-        drop(first_lock);
-        let (again, again_lock) = rank_tmp(5, &b);
-        assert!(again == shared && again_lock.is_some(), "{again:?}");
-        for d in [a, b] {
-            std::fs::remove_dir_all(d).unwrap();
-        }
-    }
-
-    #[test]
     fn nccl_ranks_keep_multicast_off_and_get_one_gpu_each() {
         let dir = scratch_dir().unwrap();
-        let (envs, _locks) = environments(2, CollectiveBackend::Nccl, &dir).unwrap();
+        let envs = environments(2, CollectiveBackend::Nccl, &dir).unwrap();
         for (r, env) in envs.iter().enumerate() {
             assert!(env.contains(&("NCCL_NVLS_ENABLE".into(), "0".into())));
             assert!(env.contains(&("MLX_WORLD_SIZE".into(), "2".into())));

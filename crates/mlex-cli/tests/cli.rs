@@ -306,6 +306,39 @@ fn bench_reports_speed_and_memory() {
     assert_eq!(v["generated_tokens"], 8);
 }
 
+/// Each running `mlex` compiles MLX's CPU kernels in a folder no other
+/// running one holds: two sharing a folder loaded each other's
+/// half-written libraries ("file too short").
+#[test]
+fn a_running_mlex_keeps_its_cpu_kernel_folder_to_itself() {
+    use std::os::fd::AsRawFd;
+    let tmp = tempfile::tempdir().unwrap();
+    let env = || {
+        let out = mlex()
+            .args(["env", "--format", "json"])
+            .env("TMPDIR", tmp.path())
+            .ok_stdout();
+        last_json(&out)
+    };
+    let v = env();
+    let folder = |n: u32| {
+        tmp.path()
+            .join(format!("mlex-cpu-{n}"))
+            .join("mlx")
+            .join(v["mlx_version"].as_str().unwrap())
+            .join("cpu")
+    };
+    assert_eq!(v["cpu_kernels"], folder(0).to_str().unwrap());
+    // This test holds the first folder's lock, as a running mlex does.
+    let held = std::fs::File::open(tmp.path().join("mlex-cpu-0.lock")).unwrap();
+    // SAFETY: flock on a descriptor this test owns.
+    let locked = unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    assert_eq!(locked, 0);
+    assert_eq!(env()["cpu_kernels"], folder(1).to_str().unwrap());
+    drop(held);
+    assert_eq!(env()["cpu_kernels"], folder(0).to_str().unwrap());
+}
+
 #[test]
 fn env_reports_the_runtime() {
     let out = mlex().args(["env", "--format", "json"]).ok_stdout();

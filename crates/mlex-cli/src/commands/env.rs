@@ -50,6 +50,7 @@ pub fn run(a: EnvArgs) -> Result<()> {
         "matmul_check": {"n": n, "max_rel_diff_vs_cpu": rel, "ok": ok},
         "dispatch": dispatch.to_json(),
         "kernel_cache": std::env::var(crate::KERNEL_CACHE_VAR).ok(),
+        "cpu_kernels": crate::cpu_kernels::dir(),
     });
     if a.format == Format::Json {
         println!("{out}");
@@ -61,6 +62,7 @@ pub fn run(a: EnvArgs) -> Result<()> {
         if let Some(dir) = out["kernel_cache"].as_str() {
             println!("kernel cache  {dir}");
         }
+        println!("cpu kernels   {}", crate::cpu_kernels::dir().display());
         println!("default       {}", info.default_device);
         match &info.gpu_name {
             Some(g) => println!("gpu           {g} ({} device(s))", info.gpu_count),

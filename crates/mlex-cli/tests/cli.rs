@@ -1461,11 +1461,14 @@ fn speculative_options_reject_bad_values_naming_them() {
     let e = fail(&["--lookup", "--draft-model", other.to_str().unwrap()]);
     assert!(e.contains("--lookup") || e.contains("--draft-model"), "{e}");
     // A batch speculates too: the same tokens, with what drafting did.
+    // Every row drafts under `MLEX_SPECULATIVE_ROWS=8`; by default a batch
+    // drafts only for a lone sequence, with the same tokens.
     let dir = tempfile::tempdir().unwrap();
     let prompts = dir.path().join("p.txt");
     std::fs::write(&prompts, "1,2,3,4,1,2,3,4,1,2\n9,8,7,9,8,7,9\n5\n").unwrap();
-    let batch = |m: &std::path::Path, extra: &[&str]| -> Vec<serde_json::Value> {
+    let batch_rows = |m: &std::path::Path, rows: &str, extra: &[&str]| {
         let out = mlex()
+            .env("MLEX_SPECULATIVE_ROWS", rows)
             .arg("generate")
             .arg("--model")
             .arg(m)
@@ -1481,11 +1484,14 @@ fn speculative_options_reject_bad_values_naming_them() {
         v.sort_by_key(|x| x["index"].as_u64());
         v
     };
+    let batch = |m: &std::path::Path, extra: &[&str]| batch_rows(m, "8", extra);
     let plain = batch(&m, &[]);
     let spec = batch(&m, &["--lookup"]);
+    let lone = batch_rows(&m, "1", &["--lookup"]);
     assert_eq!(plain.len(), 3);
-    for (p, s) in plain.iter().zip(&spec) {
+    for ((p, s), l) in plain.iter().zip(&spec).zip(&lone) {
         assert_eq!(p["token_ids"], s["token_ids"], "{s}");
+        assert_eq!(p["token_ids"], l["token_ids"], "{l}");
         assert!(p["speculative"].is_null());
         assert_eq!(s["speculative"]["drafter"], "lookup", "{s}");
     }

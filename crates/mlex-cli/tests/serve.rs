@@ -362,7 +362,13 @@ fn a_speculating_server_answers_as_a_plain_one() {
     let bodies: Vec<Value> = (0..3).map(ask).collect();
     let answers = |s: &Server| chat_all(s, &bodies);
     let plain = answers(&start(&["--batch", "4"]));
-    let s = start(&["--batch", "4", "--lookup", "--draft-tokens", "4"]);
+    // Every request speculates while the others run: a batch of up to 4
+    // (the default policy drafts only for a lone sequence).
+    let s = start_with(
+        &path_of(&fixture("smollm2-gguf")),
+        &["--batch", "4", "--lookup", "--draft-tokens", "4"],
+        &[("MLEX_SPECULATIVE_ROWS", "4")],
+    );
     let spec = answers(&s);
     let mut accepted = 0;
     for (i, (p, v)) in plain.iter().zip(&spec).enumerate() {
@@ -428,9 +434,10 @@ fn a_server_drafting_with_the_mtp_head_answers_as_a_plain_one() {
         v
     };
     let plain = answers(&start_on(dir.path(), &["--batch", "4"]));
-    let s = start_on(
+    let s = start_with(
         dir.path(),
         &["--batch", "4", "--mtp", "--draft-tokens", "2"],
+        &[("MLEX_SPECULATIVE_ROWS", "4")],
     );
     let spec = answers(&s);
     for (i, (p, v)) in plain.iter().zip(&spec).enumerate() {

@@ -330,6 +330,7 @@ fn the_mtp_head_under_two_ranks_equals_one_device_and_its_reference() {
     std::fs::write(&prompts, "1 2 3 4 5\n7 8 9\n10 11 12 13 14 15\n").unwrap();
     let rows = |tp: u32| -> Vec<(Value, Value)> {
         let out = mlex(&f)
+            .env("MLEX_SPECULATIVE_ROWS", "8")
             .args([
                 "generate",
                 "--mtp",

@@ -209,9 +209,11 @@ impl Dispatch {
             // 7 is where MLX's vector kernel ends; off until the cut is
             // measured against one call (`bash xtask/gpu/run.sh moecut`).
             gather_pairs: None,
-            // Measured on the H100 (batch 4-32 lost 0.3-0.9x at A = 0.8,
-            // K = 3; one row gained 1.9x); the CPU is not measured yet.
-            speculative_rows: if gpu { 1 } else { 8 },
+            // One row gained and fuller batches lost at A = 0.8, K = 3 on
+            // both: the H100 (batch 2-32 0.3-0.9x, one row 1.9x) and the
+            // 2-core CPU (batch 8 0.84-0.92x, 2-4 rows within 0.84-1.19x
+            // of plain, one row 1.22-1.44x; docs/BENCHMARKS.md).
+            speculative_rows: 1,
             tensor_parallel: None,
             backend,
         }

@@ -29,10 +29,16 @@ pub fn start(extra: &[&str]) -> Server {
 /// Starts `mlex serve` on `model` and waits for the line that names its
 /// address.
 pub fn start_on(model: &std::path::Path, extra: &[&str]) -> Server {
+    start_with(model, extra, &[])
+}
+
+/// [`start_on`] with environment variables `env` set for the server.
+pub fn start_with(model: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
     let mut child = Command::new(assert_cmd::cargo::cargo_bin("mlex"))
         .args(["serve", "--port", "0", "--model"])
         .arg(model)
         .args(extra)
+        .envs(env.iter().copied())
         .env_remove("MLEX_API_KEY")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

@@ -431,12 +431,22 @@ mod tests {
             ("MLEX_LAYER_SYNC_ROWS", "-3"),
             ("MLEX_GATHER_PAIRS", "65"),
             ("MLEX_REROUTE_HALF_QUANTIZED", "on"),
+            ("MLEX_SPECULATIVE_ROWS", "0"),
+            ("MLEX_SPECULATIVE_ROWS", "257"),
         ] {
             let e = with(&[(k, v)]).unwrap_err().to_string();
             assert!(e.contains(k) && e.contains(v), "{e}");
         }
-        // The CPU has no fused kernels to turn on.
+        // A batch drafts only while one sequence is active, on every
+        // backend, unless the variable says otherwise.
         let mut cpu = Dispatch::for_backend(Backend::Cpu, false);
+        assert_eq!(
+            (with(&[]).unwrap().speculative_rows, cpu.speculative_rows),
+            (1, 1)
+        );
+        let rows = with(&[("MLEX_SPECULATIVE_ROWS", "8")]).unwrap();
+        assert_eq!(rows.speculative_rows, 8);
+        // The CPU has no fused kernels to turn on.
         cpu.apply_env(|k| (k == "MLEX_FUSED_DECODE").then(|| "1".to_owned()))
             .unwrap();
         assert!(!cpu.fused_decode);
